@@ -1,0 +1,1 @@
+"""S4 KV vLLM plugin and command line."""
