@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's test command: sets up .venv if needed, then runs every test that needs no GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup_env.sh
+. .venv/bin/activate
+exec python -m pytest -m "not gpu" -q "$@"

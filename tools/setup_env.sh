@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv (idempotent) with everything the tests and the offline demo need, on a machine
+# with no GPU: torch 2.11.0 + triton 3.6.0, this package (editable), the CPU vLLM engine,
+# the CDK app's Python side, the evaluation tools, and the CDK CLI from npm.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip_q() { pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+echo "[setup] python packages"
+pip_q -e . -r requirements-dev.txt
+for f in requirements.txt requirements-test.txt requirements-eval.txt; do
+  [ -f "$f" ] && pip_q -r "$f"
+done
+[ -f tools/install_cpu_engine.sh ] && bash tools/install_cpu_engine.sh
+if [ -f package.json ] && command -v npm >/dev/null; then
+  echo "[setup] CDK CLI (npm)"
+  npm ci --silent --no-audit --no-fund >/dev/null
+fi
+python -c "import torch, triton; print(f'[setup] torch {torch.__version__}, triton {triton.__version__}')"
