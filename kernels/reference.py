@@ -1,0 +1,182 @@
+"""Plain torch reference of both int4 page formats and of paged attention over them.
+
+Written for clarity, not speed: it is the oracle for every kernel test and the attention path of the
+CPU engine. Semantics (shared with the Triton kernels in store.py and attention.py):
+
+* asymmetric int4: ``scale = max((max - min) / 15, EPS)``; scale and min are rounded to fp16 *before* the
+  codes are computed, ``code = clamp(floor((x - min) / scale + 0.5), 0, 15)``, ``x_hat = code * scale + min``;
+* a vector holding NaN or +-inf (or whose scale/min overflow fp16) gets a NaN scale: it dequantizes to NaN,
+  so a broken input shows up in the attention output instead of turning into plausible numbers;
+* int4_saw: keys (and values if ``rotate_values``) are quantized per token after ``x @ R``, ``R`` the
+  block-diagonal Hadamard; attention un-rotates implicitly (R is orthonormal);
+* int4_kivi: values per token, unrotated. Keys of an open (partially filled) block are staged per token after
+  the full-head rotation; when a block's last slot is written, its 128 keys are re-quantized per channel from
+  the original keys where they are in the same batch, else from the dequantized staged keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import HALF_DIM, HEAD_DIM, KIVI_BLOCK_SIZE, PageLayout
+from .scheme import Int4Scheme
+
+QMAX = 15
+EPS = 2.0**-14  # smallest normal fp16: a constant vector keeps a representable, positive scale
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# building blocks
+# ---------------------------------------------------------------------------------------------------------------
+def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = x.float()
+    lo = x.amin(dim, keepdim=True)
+    hi = x.amax(dim, keepdim=True)
+    scale = torch.clamp((hi - lo) / QMAX, min=EPS).half().float()
+    minimum = lo.half().float()
+    bad = ~(torch.isfinite(x).all(dim, keepdim=True) & torch.isfinite(scale) & torch.isfinite(minimum))
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
+    codes = torch.floor((x - minimum) / scale + 0.5).nan_to_num(0.0).clamp(0, QMAX).to(torch.uint8)
+    return codes, scale.squeeze(dim).half(), minimum.squeeze(dim).half()
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x[..., 128] -> codes uint8[..., 128] (0..15), scale fp16[...], min fp16[...]."""
+    return _quantize(x, -1)
+
+
+def quantize_per_channel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x[tokens, 128] -> codes uint8[tokens, 128], scale fp16[128], min fp16[128] (one group of tokens)."""
+    return _quantize(x, 0)
+
+
+def dequantize_per_token(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale.float()[..., None] + minimum.float()[..., None]
+
+
+def dequantize_per_channel(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale.float() + minimum.float()
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """codes[..., 128] -> bytes[..., 64]: byte j = channel j (low nibble) | channel j + 64 (high nibble)."""
+    return codes[..., :HALF_DIM] | (codes[..., HALF_DIM:] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.cat([packed & 0xF, packed >> 4], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# page views
+# ---------------------------------------------------------------------------------------------------------------
+class PageViews:
+    """Typed views into a uint8 cache [num_blocks, num_kv_heads, block_size * 136]; writes go to the cache."""
+
+    def __init__(self, kv_cache: torch.Tensor):
+        if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3:
+            raise ValueError(f"kv_cache must be uint8 [blocks, kv_heads, page_bytes], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+        nb, nh, page = kv_cache.shape
+        if page % 136:
+            raise ValueError(f"page of {page} bytes is not block_size * 136")
+        self.block_size = page // 136
+        lay = PageLayout(self.block_size)
+        b = self.block_size
+        self.k_codes = kv_cache[:, :, lay.k_codes : lay.v_codes].view(nb, nh, b, HALF_DIM)
+        self.v_codes = kv_cache[:, :, lay.v_codes : lay.v_params].view(nb, nh, b, HALF_DIM)
+        self.v_params = kv_cache[:, :, lay.v_params : lay.k_params].view(torch.float16).view(nb, nh, b, 2)
+        self.k_params = kv_cache[:, :, lay.k_params : lay.page_bytes].view(torch.float16).view(nb, nh, b, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# store
+# ---------------------------------------------------------------------------------------------------------------
+def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme) -> None:
+    """Quantize key/value [T, Hkv, 128] into their slots; slot < 0 marks padding and is skipped."""
+    pages = PageViews(kv_cache)
+    bsz = pages.block_size
+    if scheme.is_kivi and bsz != KIVI_BLOCK_SIZE:
+        raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {bsz}")
+    rot = scheme.rotation(key.device)
+    slots = slot_mapping.long()
+    live = (slots >= 0).nonzero().squeeze(1)
+    blk, off = slots[live] // bsz, slots[live] % bsz
+    k = key[live].float() @ rot
+    v = value[live].float()
+    if scheme.rotate_values:
+        v = v @ rot
+    for x, codes_view, params_view in ((k, pages.k_codes, pages.k_params), (v, pages.v_codes, pages.v_params)):
+        codes, scale, minimum = quantize_per_token(x)
+        codes_view[blk, :, off] = pack_nibbles(codes)
+        params_view[blk, :, off] = torch.stack([scale, minimum], -1)
+    if scheme.is_kivi:
+        _close_kivi_blocks(key, slots, pages, rot)
+
+
+def _close_kivi_blocks(key, slots, pages: PageViews, rot) -> None:
+    bsz = pages.block_size
+    for i in (slots % bsz == bsz - 1).logical_and(slots >= 0).nonzero().squeeze(1).tolist():
+        blk = int(slots[i]) // bsz
+        # staged keys of the whole block, dequantized and un-rotated
+        staged = dequantize_per_token(
+            unpack_nibbles(pages.k_codes[blk]), pages.k_params[blk, :, :, 0], pages.k_params[blk, :, :, 1]
+        ) @ rot  # [Hkv, B, 128]
+        src = torch.arange(i - bsz + 1, i + 1, device=slots.device)
+        expected_slot = slots[i] - (bsz - 1) + torch.arange(bsz, device=slots.device)
+        fresh = (src >= 0) & (slots[src.clamp(min=0)] == expected_slot)
+        exact = key[src.clamp(min=0)].float().transpose(0, 1)  # [Hkv, B, 128]
+        block_keys = torch.where(fresh[None, :, None], exact, staged)
+        for h in range(block_keys.shape[0]):
+            codes, scale, minimum = quantize_per_channel(block_keys[h])
+            pages.k_codes[blk, h] = pack_nibbles(codes)
+            pages.k_params[blk, h] = torch.stack([scale, minimum], -1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# read + attention
+# ---------------------------------------------------------------------------------------------------------------
+def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Scheme):
+    """The first seq_len keys and values of one sequence, [seq_len, Hkv, 128] float32, in the original space."""
+    pages = PageViews(kv_cache)
+    bsz = pages.block_size
+    rot = scheme.rotation(kv_cache.device)
+    nblocks = -(-seq_len // bsz)
+    blocks = block_table_row[:nblocks].long()
+    k_codes = unpack_nibbles(pages.k_codes[blocks])  # [n, Hkv, B, 128]
+    kp = pages.k_params[blocks]
+    k = dequantize_per_token(k_codes, kp[..., 0], kp[..., 1]) @ rot
+    if scheme.is_kivi:
+        closed = torch.arange(nblocks, device=kv_cache.device) * bsz + bsz <= seq_len
+        per_channel = dequantize_per_channel(k_codes, kp[..., None, :, 0], kp[..., None, :, 1])
+        k = torch.where(closed[:, None, None, None], per_channel, k)
+    vp = pages.v_params[blocks]
+    v = dequantize_per_token(unpack_nibbles(pages.v_codes[blocks]), vp[..., 0], vp[..., 1])
+    if scheme.rotate_values:
+        v = v @ rot
+
+    def tokens_first(x):
+        return x.transpose(1, 2).reshape(nblocks * bsz, -1, HEAD_DIM)[:seq_len]
+
+    return tokens_first(k), tokens_first(v)
+
+
+def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, scheme: Int4Scheme):
+    """Causal attention of query [T, Hq, 128] over the paged int4 cache; returns float32 [T, Hq, 128]."""
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    num_kv_heads = kv_cache.shape[1]
+    group = query.shape[1] // num_kv_heads
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q = query[starts[i] : starts[i + 1]].float()
+        q_len = q.shape[0]
+        if q_len == 0:
+            continue
+        k, v = dequantize_sequence(kv_cache, block_table[i], seq_len, scheme)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        causal = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
