@@ -1,0 +1,130 @@
+"""Quantize-on-write: new K/V tokens into their slots of the paged int4 cache (Triton).
+
+``store_kv`` runs one per-token kernel for the keys and one for the values (rotation fused for int4_saw keys,
+optional for its values, and for the staged keys of an open int4_kivi block); for int4_kivi a third launch then
+re-quantizes per channel every block whose last slot was written in this batch. Launches follow each other on
+one stream, so the close sees the staged keys. Grids depend only on the number of tokens and KV heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import HALF_DIM, KIVI_BLOCK_SIZE, PageLayout
+from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
+from .triton_common import encode, finite_rows, rotate_halves, scale_and_min
+
+TOKENS_PER_PROGRAM = 16
+
+
+@triton.jit
+def _store_per_token_kernel(
+    src_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr,
+    num_tokens, src_stride_t, src_stride_h, stride_block, stride_head,
+    CODES_OFFSET: tl.constexpr, PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ROTATE: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, TOKENS: tl.constexpr,
+):
+    head = tl.program_id(1)
+    tok = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    live = slot >= 0
+    ch = tl.arange(0, 64)
+    src = src_ptr + tok[:, None].to(tl.int64) * src_stride_t + head * src_stride_h + ch[None, :]
+    x_lo = tl.load(src, mask=live[:, None], other=0.0)
+    x_hi = tl.load(src + 64, mask=live[:, None], other=0.0)
+    if ROTATE:
+        y_lo, y_hi = rotate_halves(x_lo, x_hi, HADAMARD_BLOCK)
+    else:
+        y_lo, y_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
+    lo = tl.minimum(tl.min(y_lo, 1), tl.min(y_hi, 1))
+    hi = tl.maximum(tl.max(y_lo, 1), tl.max(y_hi, 1))
+    scale, minimum = scale_and_min(lo, hi, finite_rows(y_lo, y_hi))
+    packed = encode(y_lo, scale[:, None], minimum[:, None]) | (encode(y_hi, scale[:, None], minimum[:, None]) << 4)
+
+    block = tl.where(live, slot // BLOCK_SIZE, 0)
+    offset = tl.where(live, slot % BLOCK_SIZE, 0)
+    page = block * stride_block + head * stride_head
+    tl.store(cache_u8_ptr + (page + CODES_OFFSET + offset * 64)[:, None] + ch[None, :], packed, mask=live[:, None])
+    params = (page + PARAMS_OFFSET) // 2 + offset * 2
+    tl.store(cache_f16_ptr + params, scale.to(tl.float16), mask=live)
+    tl.store(cache_f16_ptr + params + 1, minimum.to(tl.float16), mask=live)
+
+
+@triton.jit
+def _kivi_close_kernel(
+    key_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr,
+    key_stride_t, key_stride_h, stride_block, stride_head,
+    K_PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, HADAMARD_BLOCK: tl.constexpr,
+):
+    """Program (token, head): if the token filled its block's last slot, re-quantize that block's keys per channel."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if (slot >= 0) & (slot % BLOCK_SIZE == BLOCK_SIZE - 1):
+        t = tl.arange(0, BLOCK_SIZE)
+        ch = tl.arange(0, 64)
+        page = (slot // BLOCK_SIZE) * stride_block + head * stride_head
+        # keys written in this batch (same sequence, contiguous slots) are taken exactly
+        src = tok - (BLOCK_SIZE - 1) + t
+        src_slot = tl.load(slot_ptr + src, mask=src >= 0, other=-1)
+        fresh = (src >= 0) & (src_slot == slot - (BLOCK_SIZE - 1) + t)
+        key = key_ptr + src[:, None].to(tl.int64) * key_stride_t + head * key_stride_h + ch[None, :]
+        exact_lo = tl.load(key, mask=fresh[:, None], other=0.0).to(tl.float32)
+        exact_hi = tl.load(key + 64, mask=fresh[:, None], other=0.0).to(tl.float32)
+        # the others from their staged per-token codes, dequantized and un-rotated
+        packed = tl.load(cache_u8_ptr + page + t[:, None] * 64 + ch[None, :])
+        params = (page + K_PARAMS_OFFSET) // 2 + t * 2
+        scale = tl.load(cache_f16_ptr + params).to(tl.float32)[:, None]
+        minimum = tl.load(cache_f16_ptr + params + 1).to(tl.float32)[:, None]
+        staged_lo = (packed & 15).to(tl.float32) * scale + minimum
+        staged_hi = (packed >> 4).to(tl.float32) * scale + minimum
+        staged_lo, staged_hi = rotate_halves(staged_lo, staged_hi, HADAMARD_BLOCK)
+        k_lo = tl.where(fresh[:, None], exact_lo, staged_lo)
+        k_hi = tl.where(fresh[:, None], exact_hi, staged_hi)
+
+        finite_lo = tl.min(((k_lo == k_lo) & (tl.abs(k_lo) != float("inf"))).to(tl.int32), 0)
+        finite_hi = tl.min(((k_hi == k_hi) & (tl.abs(k_hi) != float("inf"))).to(tl.int32), 0)
+        s_lo, m_lo = scale_and_min(tl.min(k_lo, 0), tl.max(k_lo, 0), finite_lo)
+        s_hi, m_hi = scale_and_min(tl.min(k_hi, 0), tl.max(k_hi, 0), finite_hi)
+        codes = encode(k_lo, s_lo[None, :], m_lo[None, :]) | (encode(k_hi, s_hi[None, :], m_hi[None, :]) << 4)
+        tl.store(cache_u8_ptr + page + t[:, None] * 64 + ch[None, :], codes)
+        channel_params = (page + K_PARAMS_OFFSET) // 2 + ch * 2
+        tl.store(cache_f16_ptr + channel_params, s_lo.to(tl.float16))
+        tl.store(cache_f16_ptr + channel_params + 1, m_lo.to(tl.float16))
+        tl.store(cache_f16_ptr + channel_params + 128, s_hi.to(tl.float16))
+        tl.store(cache_f16_ptr + channel_params + 129, m_hi.to(tl.float16))
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             scheme: Int4Scheme) -> None:
+    """Quantize key/value [T, Hkv, 128] (fp16/bf16, any token/head strides) into kv_cache at slot_mapping."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if head_dim != 2 * HALF_DIM or key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError(f"key/value must be [T, Hkv, 128] with contiguous channels, got {tuple(key.shape)}")
+    if num_tokens == 0:
+        return
+    block_size = kv_cache.shape[2] // 136
+    layout = PageLayout(block_size)
+    if scheme.is_kivi and block_size != KIVI_BLOCK_SIZE:
+        raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
+    cache_f16 = kv_cache.view(torch.float16)
+    common = dict(BLOCK_SIZE=block_size, HADAMARD_BLOCK=scheme.hadamard_block, TOKENS=TOKENS_PER_PROGRAM)
+    grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)
+    for src, codes_offset, params_offset, rotate in (
+        (key, layout.k_codes, layout.k_params, True),
+        (value, layout.v_codes, layout.v_params, scheme.rotate_values),
+    ):
+        _store_per_token_kernel[grid](
+            src, slot_mapping, kv_cache, cache_f16,
+            num_tokens, src.stride(0), src.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            CODES_OFFSET=codes_offset, PARAMS_OFFSET=params_offset, ROTATE=rotate, **common,
+        )
+    if scheme.is_kivi:
+        _kivi_close_kernel[(num_tokens, num_kv_heads)](
+            key, slot_mapping, kv_cache, cache_f16,
+            key.stride(0), key.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            K_PARAMS_OFFSET=layout.k_params, BLOCK_SIZE=block_size, HADAMARD_BLOCK=KIVI_STAGING_BLOCK,
+            num_warps=8,
+        )

@@ -1,0 +1,64 @@
+"""Small Triton helpers shared by the store and attention kernels."""
+
+import triton
+import triton.language as tl
+
+QMAX = 15.0
+EPS = 2.0**-14  # same as reference.EPS
+
+
+@triton.jit
+def hadamard_quadrant(ROW0: tl.constexpr, COL0: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, dtype: tl.constexpr):
+    """64 x 64 quadrant (rows ROW0.., cols COL0..) of the unnormalized block-diagonal Sylvester Hadamard.
+
+    Entry (i, j) is (-1)^popcount(i & j) inside a diagonal block and 0 outside: built from the indices,
+    so no matrix is loaded, and +-1 is exact in fp16/bf16 (the 1/sqrt(b) is applied in fp32 after the dot).
+    """
+    i = ROW0 + tl.arange(0, 64)[:, None]
+    j = COL0 + tl.arange(0, 64)[None, :]
+    bits = (i % HADAMARD_BLOCK) & (j % HADAMARD_BLOCK)
+    bits = bits ^ (bits >> 4)
+    bits = bits ^ (bits >> 2)
+    bits = bits ^ (bits >> 1)
+    sign = 1.0 - 2.0 * (bits & 1).to(tl.float32)
+    same_block = (i // HADAMARD_BLOCK) == (j // HADAMARD_BLOCK)
+    return tl.where(same_block, sign, 0.0).to(dtype)
+
+
+@triton.jit
+def rotate_halves(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr):
+    """(x @ R) for x given as its two 64-channel halves; R = blockdiag(H_b) / sqrt(b). Returns fp32 halves."""
+    dt = x_lo.dtype
+    y_lo = tl.dot(x_lo, hadamard_quadrant(0, 0, HADAMARD_BLOCK, dt)) + tl.dot(
+        x_hi, hadamard_quadrant(64, 0, HADAMARD_BLOCK, dt)
+    )
+    y_hi = tl.dot(x_lo, hadamard_quadrant(0, 64, HADAMARD_BLOCK, dt)) + tl.dot(
+        x_hi, hadamard_quadrant(64, 64, HADAMARD_BLOCK, dt)
+    )
+    norm = 1.0 / tl.sqrt(HADAMARD_BLOCK * 1.0)
+    return y_lo * norm, y_hi * norm
+
+
+@triton.jit
+def finite_rows(x_lo, x_hi):
+    """1 for rows whose 128 values are all finite, 0 otherwise."""
+    ok_lo = (x_lo == x_lo) & (tl.abs(x_lo) != float("inf"))
+    ok_hi = (x_hi == x_hi) & (tl.abs(x_hi) != float("inf"))
+    return tl.minimum(tl.min(ok_lo.to(tl.int32), 1), tl.min(ok_hi.to(tl.int32), 1))
+
+
+@triton.jit
+def scale_and_min(lo, hi, finite):
+    """fp16-rounded (scale, min) from a range, NaN scale where the input or the fp16 params are not finite."""
+    scale = tl.maximum((hi - lo) / QMAX, EPS).to(tl.float16).to(tl.float32)
+    minimum = lo.to(tl.float16).to(tl.float32)
+    good = (finite != 0) & (tl.abs(scale) != float("inf")) & (tl.abs(minimum) != float("inf"))
+    return tl.where(good, scale, float("nan")), minimum
+
+
+@triton.jit
+def encode(x, scale, minimum):
+    """int4 codes (as uint8) of x against broadcastable scale and min."""
+    codes = tl.floor((x - minimum) / scale + 0.5)
+    codes = tl.where(codes == codes, codes, 0.0)  # NaN scale -> code 0 (the NaN scale carries the poison)
+    return tl.minimum(tl.maximum(codes, 0.0), QMAX).to(tl.uint8)
