@@ -8,7 +8,7 @@ EPS = 2.0**-14  # same as reference.EPS
 
 
 @triton.jit
-def hadamard_quadrant(ROW0: tl.constexpr, COL0: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, dtype: tl.constexpr):
+def hadamard_quadrant(ROW0: tl.constexpr, COL0: tl.constexpr, HADAMARD_BLOCK: tl.constexpr):
     """64 x 64 quadrant (rows ROW0.., cols COL0..) of the unnormalized block-diagonal Sylvester Hadamard.
 
     Entry (i, j) is (-1)^popcount(i & j) inside a diagonal block and 0 outside: built from the indices,
@@ -22,18 +22,18 @@ def hadamard_quadrant(ROW0: tl.constexpr, COL0: tl.constexpr, HADAMARD_BLOCK: tl
     bits = bits ^ (bits >> 1)
     sign = 1.0 - 2.0 * (bits & 1).to(tl.float32)
     same_block = (i // HADAMARD_BLOCK) == (j // HADAMARD_BLOCK)
-    return tl.where(same_block, sign, 0.0).to(dtype)
+    return tl.where(same_block, sign, 0.0)
 
 
 @triton.jit
 def rotate_halves(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr):
     """(x @ R) for x given as its two 64-channel halves; R = blockdiag(H_b) / sqrt(b). Returns fp32 halves."""
     dt = x_lo.dtype
-    y_lo = tl.dot(x_lo, hadamard_quadrant(0, 0, HADAMARD_BLOCK, dt)) + tl.dot(
-        x_hi, hadamard_quadrant(64, 0, HADAMARD_BLOCK, dt)
+    y_lo = tl.dot(x_lo, hadamard_quadrant(0, 0, HADAMARD_BLOCK).to(dt)) + tl.dot(
+        x_hi, hadamard_quadrant(64, 0, HADAMARD_BLOCK).to(dt)
     )
-    y_hi = tl.dot(x_lo, hadamard_quadrant(0, 64, HADAMARD_BLOCK, dt)) + tl.dot(
-        x_hi, hadamard_quadrant(64, 64, HADAMARD_BLOCK, dt)
+    y_hi = tl.dot(x_lo, hadamard_quadrant(0, 64, HADAMARD_BLOCK).to(dt)) + tl.dot(
+        x_hi, hadamard_quadrant(64, 64, HADAMARD_BLOCK).to(dt)
     )
     norm = 1.0 / tl.sqrt(HADAMARD_BLOCK * 1.0)
     return y_lo * norm, y_hi * norm

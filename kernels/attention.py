@@ -1,0 +1,275 @@
+"""Paged attention that reads the int4 cache directly (Triton).
+
+One kernel serves decode, prefill and chunked prefill with a cached prefix (mixed batches as vLLM schedules
+them). A program owns BLOCK_Q query tokens x all GROUP query heads of one KV head, so every K/V tile is loaded
+and dequantized once per KV head (GQA shared). Rows of the [BLOCK_M, 128] query tile are (token, head) pairs.
+
+Scores are taken in the space the keys are stored in: int4_saw keys (and open int4_kivi blocks) are rotated,
+so the program rotates Q once (the rotation is orthonormal, scores are unchanged); closed int4_kivi blocks hold
+unrotated per-channel keys and use Q as is. With rotated values the output is un-rotated at the end.
+
+Decode batches (max_query_len == 1) with a workspace split the context over NUM_SPLITS programs (flash-decoding)
+and a second kernel merges the partial softmaxes. Grids depend only on the token count, the number of sequences
+and constants, never on sequence lengths: the kernels are CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import HEAD_DIM, KIVI_BLOCK_SIZE, PageLayout
+from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
+from .triton_common import rotate_halves
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """Sequence i owning global query block q_block, where sequence i's blocks start at qsl[i] // BLOCK_Q + i."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if start <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _load_codes(cache_u8_ptr, page, region, offset, written):
+    ch = tl.arange(0, 64)
+    packed = tl.load(cache_u8_ptr + page + region + offset[:, None] * 64 + ch[None, :], mask=written[:, None], other=0)
+    return (packed & 15).to(tl.float32), (packed >> 4).to(tl.float32)
+
+
+@triton.jit
+def _scores_per_token(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, offset, written):
+    """Q K^T for keys quantized per token (in the rotated space: q is the rotated query)."""
+    s_t = tl.load(cache_f16_ptr + k_params + offset * 2, mask=written, other=0.0).to(tl.float32)[:, None]
+    m_t = tl.load(cache_f16_ptr + k_params + offset * 2 + 1, mask=written, other=0.0).to(tl.float32)[:, None]
+    dt = q_lo.dtype
+    return tl.dot(q_lo, tl.trans((k_lo * s_t + m_t).to(dt))) + tl.dot(q_hi, tl.trans((k_hi * s_t + m_t).to(dt)))
+
+
+@triton.jit
+def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params):
+    """Q K^T for a closed KIVI block: unrotated keys with one (scale, min) per channel."""
+    ch = tl.arange(0, 64)
+    s_lo = tl.load(cache_f16_ptr + k_params + ch * 2).to(tl.float32)[None, :]
+    m_lo = tl.load(cache_f16_ptr + k_params + ch * 2 + 1).to(tl.float32)[None, :]
+    s_hi = tl.load(cache_f16_ptr + k_params + 128 + ch * 2).to(tl.float32)[None, :]
+    m_hi = tl.load(cache_f16_ptr + k_params + 128 + ch * 2 + 1).to(tl.float32)[None, :]
+    dt = q_lo.dtype
+    return tl.dot(q_lo, tl.trans((k_lo * s_lo + m_lo).to(dt))) + tl.dot(q_hi, tl.trans((k_hi * s_hi + m_hi).to(dt)))
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, out_ptr, cache_u8_ptr, cache_f16_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    part_acc_ptr, part_ml_ptr,
+    qk_scale, num_seqs,
+    q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_table_stride, stride_block, stride_head,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_KIVI: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, ROTATE_V: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + seq)
+    if local_block * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context = seq_len - q_len
+        layout_v_codes: tl.constexpr = 64 * BLOCK_SIZE
+        layout_v_params: tl.constexpr = 128 * BLOCK_SIZE
+        layout_k_params: tl.constexpr = 132 * BLOCK_SIZE
+
+        rows = tl.arange(0, BLOCK_M)
+        q_tok = local_block * BLOCK_Q + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_live = (rows < BLOCK_Q * GROUP) & (q_tok < q_len)
+        q_pos = context + q_tok
+        ch = tl.arange(0, 64)
+        q_rows = q_ptr + (q_start + q_tok).to(tl.int64)[:, None] * q_stride_t + head[:, None] * q_stride_h
+        q_lo = tl.load(q_rows + ch[None, :], mask=row_live[:, None], other=0.0)
+        q_hi = tl.load(q_rows + 64 + ch[None, :], mask=row_live[:, None], other=0.0)
+        dt = q_lo.dtype
+        qr_lo, qr_hi = rotate_halves(q_lo, q_hi, HADAMARD_BLOCK)
+        qr_lo = qr_lo.to(dt)
+        qr_hi = qr_hi.to(dt)
+
+        kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
+        num_tiles = tl.cdiv(kv_end, TILE)
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        first_tile = split * tiles_per_split
+        last_tile = tl.minimum(num_tiles, first_tile + tiles_per_split)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc_lo = tl.zeros([BLOCK_M, 64], tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, 64], tl.float32)
+        for tile in range(first_tile, last_tile):
+            start = tile * TILE
+            logical_block = start // BLOCK_SIZE
+            physical = tl.load(block_table_ptr + seq * block_table_stride + logical_block).to(tl.int64)
+            page = physical * stride_block + kv_head * stride_head
+            offset = start % BLOCK_SIZE + tl.arange(0, TILE)
+            k_pos = start + tl.arange(0, TILE)
+            # slots past the sequence end hold stale bytes: never let them reach the P @ V product
+            written = k_pos < seq_len
+            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, written)
+            k_params = (page + layout_k_params) // 2
+            if IS_KIVI:
+                if (logical_block + 1) * BLOCK_SIZE <= seq_len:
+                    scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params)
+                else:
+                    scores = _scores_per_token(qr_lo, qr_hi, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
+            else:
+                scores = _scores_per_token(qr_lo, qr_hi, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
+            visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None])
+            scores = tl.where(visible, scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_ref[:, None])
+            alpha = tl.exp2(m_i - m_ref)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, written)
+            v_params = (page + layout_v_params) // 2 + offset * 2
+            sv = tl.load(cache_f16_ptr + v_params, mask=written, other=0.0).to(tl.float32)[:, None]
+            mv = tl.load(cache_f16_ptr + v_params + 1, mask=written, other=0.0).to(tl.float32)[:, None]
+            p = p.to(dt)
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(p, (v_lo * sv + mv).to(dt))
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(p, (v_hi * sv + mv).to(dt))
+            m_i = m_new
+
+        if ROTATE_V:
+            acc_lo, acc_hi = rotate_halves(acc_lo, acc_hi, HADAMARD_BLOCK)
+        token = (q_start + q_tok).to(tl.int64)
+        if NUM_SPLITS == 1:
+            out_rows = out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + ch[None, :]
+            inv_l = 1.0 / l_i[:, None]
+            tl.store(out_rows, (acc_lo * inv_l).to(out_ptr.dtype.element_ty), mask=row_live[:, None])
+            tl.store(out_rows + 64, (acc_hi * inv_l).to(out_ptr.dtype.element_ty), mask=row_live[:, None])
+        else:
+            # decode: one token per sequence; partials indexed by (sequence, query head, split)
+            part = ((seq * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split).to(tl.int64)
+            acc_rows = part_acc_ptr + part[:, None] * 128 + ch[None, :]
+            tl.store(acc_rows, acc_lo, mask=row_live[:, None])
+            tl.store(acc_rows + 64, acc_hi, mask=row_live[:, None])
+            tl.store(part_ml_ptr + part * 2, m_i, mask=row_live)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_live)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, out_stride_t, out_stride_h,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) > q_start:
+        split = tl.arange(0, NUM_SPLITS)
+        part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + split
+        m = tl.load(part_ml_ptr + part * 2)
+        l = tl.load(part_ml_ptr + part * 2 + 1)
+        m_max = tl.max(m, 0)
+        weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+        ch = tl.arange(0, 128)
+        acc = tl.load(part_acc_ptr + part[:, None] * 128 + ch[None, :])
+        acc = tl.where(weight[:, None] > 0, acc, 0.0)
+        out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+        tl.store(out_ptr + q_start.to(tl.int64) * out_stride_t + head * out_stride_h + ch,
+                 out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass
+class SplitWorkspace:
+    """Partial-softmax buffers for split-KV decode, allocated once (before CUDA-graph capture).
+
+    ``num_splits(num_seqs)`` aims at ``target_programs`` programs in flight; the buffers hold the largest
+    ``num_seqs * num_splits`` that rule gives, so any batch size fits without a new allocation.
+    """
+
+    part_acc: torch.Tensor  # [rows, 128] fp32
+    part_ml: torch.Tensor  # [rows, 2] fp32 (running max in log2 units, softmax denominator)
+    num_q_heads: int
+    num_kv_heads: int
+    target_programs: int
+    max_splits: int
+
+    @classmethod
+    def allocate(cls, num_q_heads: int, num_kv_heads: int, device, target_programs: int | None = None,
+                 max_splits: int = 64) -> "SplitWorkspace":
+        device = torch.device(device)
+        if target_programs is None:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+            target_programs = 4 * sms
+        # num_splits(n) > 1 only while n * num_kv_heads < target_programs, so n * splits < 2 * target / kv heads
+        max_rows_per_head = 2 * target_programs // num_kv_heads + max_splits
+        rows = max_rows_per_head * num_q_heads
+        return cls(
+            part_acc=torch.empty(rows, HEAD_DIM, dtype=torch.float32, device=device),
+            part_ml=torch.empty(rows, 2, dtype=torch.float32, device=device),
+            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+            target_programs=target_programs, max_splits=max_splits,
+        )
+
+    def num_splits(self, num_seqs: int) -> int:
+        want = triton.cdiv(self.target_programs, max(1, num_seqs * self.num_kv_heads))
+        return min(self.max_splits, triton.next_power_of_2(want))
+
+
+def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len: int,
+                    softmax_scale: float, scheme: Int4Scheme, out, workspace: SplitWorkspace | None = None) -> None:
+    """Causal attention of query [T, Hq, 128] over the int4 paged cache into out [T, Hq, 128]."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[1]
+    if head_dim != HEAD_DIM or num_q_heads % num_kv_heads:
+        raise ValueError(f"query must be [T, Hq, 128] with Hq a multiple of {num_kv_heads}, got {tuple(query.shape)}")
+    block_size = kv_cache.shape[2] // 136
+    PageLayout(block_size)
+    if scheme.is_kivi and block_size != KIVI_BLOCK_SIZE:
+        raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
+    num_seqs = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    decode = max_query_len == 1
+    if decode:
+        block_m = max(16, triton.next_power_of_2(group))
+        block_q, tile = 1, 64
+    else:
+        block_m = max(64, triton.next_power_of_2(group))
+        block_q, tile = block_m // group, 32
+    num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None) else 1
+    if num_splits > 1 and workspace.num_q_heads != num_q_heads:
+        raise ValueError("workspace was allocated for another number of query heads")
+    if num_splits > 1 and num_seqs * num_q_heads * num_splits > workspace.part_ml.shape[0]:
+        raise ValueError("workspace too small for this batch")  # unreachable by construction; guards misuse
+    dummy = out if num_splits == 1 else None
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        query, out, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, query_start_loc,
+        workspace.part_acc if num_splits > 1 else dummy, workspace.part_ml if num_splits > 1 else dummy,
+        softmax_scale * LOG2E, num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1),
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile, BLOCK_SIZE=block_size,
+        IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=KIVI_STAGING_BLOCK if scheme.is_kivi else scheme.hadamard_block,
+        ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_q_heads)](
+            out, workspace.part_acc, workspace.part_ml, query_start_loc, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits,
+        )
