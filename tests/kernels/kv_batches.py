@@ -1,0 +1,221 @@
+"""Builders and checks shared by the kernel tests: paged batches as vLLM schedules them, poisoned caches,
+the byte regions a store may write, cache comparison and a plain float64 attention oracle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from s4kv.kernels import reference as ref
+from s4kv.kernels.layout import HEAD_DIM, PageLayout, cache_shape
+from s4kv.kernels.scheme import Int4Scheme
+
+NULL_BLOCK = 0  # never handed to a sequence: it stays poisoned, and block-table padding points at it
+
+
+def poisoned_cache(num_blocks: int, num_kv_heads: int, block_size: int, gen: torch.Generator, device) -> torch.Tensor:
+    """A cache full of random bytes: whatever a kernel reads without writing it first is garbage (often NaN/inf)."""
+    shape = cache_shape(num_blocks, num_kv_heads, block_size)
+    return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8, device=gen.device).to(device)
+
+
+def random_keys(gen: torch.Generator, num_tokens: int, num_heads: int, dtype, device) -> torch.Tensor:
+    """Keys shaped like a real model's: a few channels with large magnitude and an offset (KIVI's motivation)."""
+    x = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen, device=gen.device)
+    outlier = torch.rand(num_heads, HEAD_DIM, generator=gen, device=gen.device) < 0.06
+    scale = 1.0 + 5.0 * outlier
+    offset = 2.0 * outlier * torch.randn(num_heads, HEAD_DIM, generator=gen, device=gen.device)
+    return (x * scale + offset).to(device=device, dtype=dtype)
+
+
+def random_values(gen: torch.Generator, num_tokens: int, num_heads: int, dtype, device) -> torch.Tensor:
+    return torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen, device=gen.device).to(device=device, dtype=dtype)
+
+
+@dataclass
+class PagedBatch:
+    """One scheduler step: per sequence a cached prefix of ``context`` tokens and ``q_len`` new tokens.
+
+    ``key``/``value``/``slot_mapping`` hold the new tokens followed by ``num_padding`` padding rows (slot -1,
+    NaN data); ``query`` holds only the real new tokens.
+    """
+
+    specs: list[tuple[int, int]]
+    block_size: int
+    num_blocks: int
+    block_table: torch.Tensor  # int32 [S, max_blocks], padded with NULL_BLOCK
+    seq_lens: torch.Tensor  # int32 [S]
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    max_query_len: int
+    seq_keys: list[torch.Tensor]  # per sequence, all its keys [seq_len, Hkv, 128]
+    seq_values: list[torch.Tensor]
+    query: torch.Tensor  # [T, Hq, 128]
+    key: torch.Tensor  # [T + padding, Hkv, 128]
+    value: torch.Tensor
+    slot_mapping: torch.Tensor  # int64 [T + padding]
+    prefix_key: torch.Tensor  # the cached prefixes of all sequences, [P, Hkv, 128]
+    prefix_value: torch.Tensor
+    prefix_slots: torch.Tensor  # int64 [P]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[1]
+
+
+def make_paged_batch(
+    gen: torch.Generator,
+    specs: list[tuple[int, int]],
+    num_q_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device,
+    spare_blocks: int = 2,
+    num_padding: int = 0,
+) -> PagedBatch:
+    """Random data and a shuffled block table for ``specs`` = [(context, q_len), ...]."""
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    seq_lens = [context + q_len for context, q_len in specs]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = 1 + sum(blocks_per_seq) + spare_blocks  # + the null block and unused, poisoned ones
+    pool = (torch.randperm(num_blocks - 1, generator=gen, device=gen.device) + 1).tolist()
+    block_table = torch.full((len(specs), max(blocks_per_seq) + 1), NULL_BLOCK, dtype=torch.int32)
+    for i, n in enumerate(blocks_per_seq):
+        block_table[i, :n] = torch.tensor(pool[:n], dtype=torch.int32)
+        pool = pool[n:]
+
+    def slots(seq: int, start: int, stop: int) -> torch.Tensor:
+        positions = torch.arange(start, stop)
+        return block_table[seq].long()[positions // block_size] * block_size + positions % block_size
+
+    seq_keys = [random_keys(gen, n, num_kv_heads, dtype, device) for n in seq_lens]
+    seq_values = [random_values(gen, n, num_kv_heads, dtype, device) for n in seq_lens]
+    nan_rows = torch.full((num_padding, num_kv_heads, HEAD_DIM), float("nan"), dtype=dtype, device=device)
+    q_lens = [q_len for _, q_len in specs]
+    return PagedBatch(
+        specs=list(specs),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        block_table=block_table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device),
+        max_query_len=max(q_lens),
+        seq_keys=seq_keys,
+        seq_values=seq_values,
+        query=torch.randn(sum(q_lens), num_q_heads, HEAD_DIM, generator=gen, device=gen.device).to(device, dtype),
+        key=torch.cat([k[c:] for k, (c, _) in zip(seq_keys, specs)] + [nan_rows]),
+        value=torch.cat([v[c:] for v, (c, _) in zip(seq_values, specs)] + [nan_rows]),
+        slot_mapping=torch.cat([slots(i, c, c + q) for i, (c, q) in enumerate(specs)]
+                               + [torch.full((num_padding,), -1)]).to(device),
+        prefix_key=torch.cat([k[:c] for k, (c, _) in zip(seq_keys, specs)]),
+        prefix_value=torch.cat([v[:c] for v, (c, _) in zip(seq_values, specs)]),
+        prefix_slots=torch.cat([slots(i, 0, c) for i, (c, _) in enumerate(specs)]).to(device),
+    )
+
+
+def cache_with_prefix(batch: PagedBatch, scheme: Int4Scheme, gen: torch.Generator, device) -> torch.Tensor:
+    """A poisoned cache holding every sequence's cached prefix, written by the reference in one prefill."""
+    cache = poisoned_cache(batch.num_blocks, batch.num_kv_heads, batch.block_size, gen, device)
+    if batch.prefix_slots.numel():
+        ref.store_kv(batch.prefix_key, batch.prefix_value, cache, batch.prefix_slots, scheme)
+    return cache
+
+
+def written_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int, scheme: Int4Scheme):
+    """What a store of ``slot_mapping`` writes: (tokens bool [num_blocks, B], closed bool [num_blocks]).
+
+    ``tokens`` are the slots written per token; ``closed`` the int4_kivi blocks whose last slot is written, so that
+    all their keys (codes and the per-channel params) are rewritten.
+    """
+    slots = slot_mapping.long().cpu()
+    slots = slots[slots >= 0]
+    tokens = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    tokens[slots] = True
+    tokens = tokens.view(num_blocks, block_size)
+    closed = tokens[:, -1] if scheme.is_kivi else torch.zeros(num_blocks, dtype=torch.bool)
+    return tokens, closed.clone()
+
+
+def written_byte_mask(slot_mapping: torch.Tensor, kv_cache: torch.Tensor, scheme: Int4Scheme) -> torch.Tensor:
+    """bool [num_blocks, 1, page_bytes]: the bytes a store of ``slot_mapping`` may change (same for every KV head).
+
+    Computed from the byte layout in docs/format.md (kernels/layout.py), not from the reference's page views.
+    """
+    num_blocks, _, page = kv_cache.shape
+    bsz = page // 136
+    lay = PageLayout(bsz)
+    tokens, closed = written_slots(slot_mapping, num_blocks, bsz, scheme)
+    mask = torch.zeros(num_blocks, 1, page, dtype=torch.bool)
+    for blk, off in tokens.nonzero().tolist():
+        for start, size in ((lay.k_codes, 64), (lay.v_codes, 64), (lay.v_params, 4), (lay.k_params, 4)):
+            mask[blk, 0, start + size * off : start + size * (off + 1)] = True
+    mask[closed, 0, lay.k_codes : lay.v_codes] = True
+    mask[closed, 0, lay.k_params :] = True
+    return mask.to(kv_cache.device)
+
+
+def assert_caches_match(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor,
+                        slot_mapping: torch.Tensor, scheme: Int4Scheme, max_code_mismatch: float = 0.01) -> None:
+    """``actual`` (a kernel's store) against ``expected`` (the reference's), both started from ``before``.
+
+    Outside the written slots no byte may change. Inside, codes may differ by +-1 on a small fraction (x/scale
+    landing on .5 under a different rounding of the rotation), params must agree to fp16 precision.
+    """
+    mask = written_byte_mask(slot_mapping, before, scheme).expand_as(before)
+    changed = (actual != before) & ~mask
+    if changed.any():
+        blk, head, byte = changed.nonzero()[0].tolist()
+        raise AssertionError(f"{int(changed.sum())} bytes outside the written slots changed, first at block {blk} "
+                             f"head {head} byte {byte} ({PageLayout(before.shape[2] // 136)})")
+    assert torch.equal(expected[~mask], before[~mask]), "the reference wrote outside its slots"
+
+    num_blocks, num_heads, page = before.shape
+    tokens, closed = (m.to(before.device) for m in written_slots(slot_mapping, num_blocks, page // 136, scheme))
+    keys = tokens | closed[:, None]
+    got, want = ref.PageViews(actual), ref.PageViews(expected)
+    for name, rows in (("k_codes", keys), ("v_codes", tokens)):
+        a = ref.unpack_nibbles(getattr(got, name)).int()
+        b = ref.unpack_nibbles(getattr(want, name)).int()
+        diff = (a - b).transpose(1, 2)[rows]  # [written rows, heads, 128]
+        if diff.numel() == 0:
+            continue
+        worst = int(diff.abs().max())
+        frac = float((diff != 0).float().mean())
+        assert worst <= 1, f"{name}: a code differs by {worst} from the reference ({frac:.2%} of codes differ)"
+        assert frac <= max_code_mismatch, f"{name}: {frac:.2%} of codes differ by 1 (allowed {max_code_mismatch:.2%})"
+    for name, rows in (("k_params", keys), ("v_params", tokens)):
+        a = getattr(got, name).transpose(1, 2)[rows].float()
+        b = getattr(want, name).transpose(1, 2)[rows].float()
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-6, equal_nan=True, msg=lambda m: f"{name}: {m}")
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Plain float64 attention: q [q_len, Hq, 128] are the last q_len positions of k, v [seq_len, Hkv, 128]."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    seq_len, q_len = k.shape[0], q.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
+    allowed = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def unquantized_attention(batch: PagedBatch, softmax_scale: float) -> torch.Tensor:
+    """float64 attention of the batch's queries over the original (unquantized) keys and values."""
+    starts = batch.query_start_loc.tolist()
+    out = [causal_attention(batch.query[starts[i] : starts[i + 1]], k, v, softmax_scale)
+           for i, (k, v) in enumerate(zip(batch.seq_keys, batch.seq_values))]
+    return torch.cat(out)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64 (Frobenius)."""
+    a, e = actual.double(), expected.double()
+    return float((a - e).norm() / e.norm())

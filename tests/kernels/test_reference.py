@@ -1,0 +1,466 @@
+"""Properties of the torch reference (kernels/reference.py): the oracle of every kernel test must itself be right.
+
+CPU only, a few seconds in all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kv_batches import (
+    cache_with_prefix,
+    causal_attention,
+    make_paged_batch,
+    poisoned_cache,
+    random_keys,
+    random_values,
+    relative_error,
+    unquantized_attention,
+    written_byte_mask,
+)
+
+from s4kv.kernels import reference as ref
+from s4kv.kernels.hadamard import block_hadamard, sylvester_hadamard
+from s4kv.kernels.layout import BYTES_PER_TOKEN, HEAD_DIM, PageLayout, cache_shape
+from s4kv.kernels.scheme import Int4Scheme
+
+KIVI = Int4Scheme.parse({"scheme": "int4_kivi"})
+SAW_SCHEMES = [
+    Int4Scheme.parse({"scheme": "int4_saw", "hadamard_block": b, "rotate_values": rv})
+    for b, rv in ((128, False), (64, True), (32, False))
+]
+ALL_SCHEMES = [KIVI, *SAW_SCHEMES]
+SCHEME_IDS = ["kivi", "saw128", "saw64-rotv", "saw32"]
+FP16_EPS = 2.0**-11  # unit roundoff of fp16
+
+
+def assert_round_trip_bound(x: torch.Tensor, x_hat: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                            lo: torch.Tensor) -> None:
+    """Per element |x - x_hat| <= scale/2, plus what the fp16 rounding of min and scale can add.
+
+    ``scale``, ``minimum`` and ``lo`` (the exact minimum) broadcast against x. Rounding scale to fp16 moves the
+    top code by up to 15 * scale * 2^-11 < scale * 2^-7; rounding min moves every code by |lo - min|.
+    """
+    bound = scale.float() * (0.5 + 2.0**-7) + (lo.float() - minimum.float()).abs() + 1e-6 * x.abs().amax()
+    err = (x.float() - x_hat).abs()
+    worst = (err - bound).argmax()
+    assert (err <= bound).all(), f"round-trip error {err.flatten()[worst]:.4g} > bound {bound.expand_as(err).flatten()[worst]:.4g}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantize / dequantize building blocks
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(1, 128), (37, 3, 128), (5, 7, 2, 128)])
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 300.0])
+def test_per_token_round_trip_is_within_half_a_step(gen, shape, magnitude):
+    x = (torch.randn(shape, generator=gen) + torch.randn(shape[:-1] + (1,), generator=gen)) * magnitude
+    codes, scale, minimum = ref.quantize_per_token(x)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape and int(codes.max()) <= 15
+    assert scale.dtype == minimum.dtype == torch.float16 and scale.shape == x.shape[:-1]
+    assert (scale.float() >= ref.EPS).all()
+    x_hat = ref.dequantize_per_token(codes, scale, minimum)
+    assert_round_trip_bound(x, x_hat, scale[..., None], minimum[..., None], x.amin(-1, keepdim=True))
+    # both ends of the range are used: the step is as fine as the range allows
+    assert (codes.amin(-1) == 0).all() and (codes.amax(-1) == 15).all()
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 128])
+def test_per_channel_round_trip_is_within_half_a_step(gen, tokens):
+    x = random_keys(gen, tokens, 1, torch.float32, "cpu")[:, 0]
+    codes, scale, minimum = ref.quantize_per_channel(x)
+    assert codes.shape == (tokens, HEAD_DIM) and scale.shape == minimum.shape == (HEAD_DIM,)
+    x_hat = ref.dequantize_per_channel(codes, scale, minimum)
+    assert_round_trip_bound(x, x_hat, scale, minimum, x.amin(0))
+    # per channel means per channel: a channel scaled by 100 leaves the other channels' params alone
+    y = x.clone()
+    y[:, 5] *= 100
+    _, scale_y, min_y = ref.quantize_per_channel(y)
+    others = torch.arange(HEAD_DIM) != 5
+    assert torch.equal(scale_y[others], scale[others]) and torch.equal(min_y[others], minimum[others])
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, -3.5, 1000.0, 0.1, -123.456, 60000.0])
+def test_constant_vector_keeps_a_positive_scale_and_reconstructs(value):
+    x = torch.full((4, HEAD_DIM), value)
+    for quantize, dequantize, dim in ((ref.quantize_per_token, ref.dequantize_per_token, -1),
+                                      (ref.quantize_per_channel, ref.dequantize_per_channel, 0)):
+        codes, scale, minimum = quantize(x)
+        assert (scale.float() == torch.tensor(ref.EPS).half().float()).all()
+        x_hat = dequantize(codes, scale, minimum)
+        assert torch.isfinite(x_hat).all()
+        # all the error there is comes from storing the value's min in fp16
+        rounding = abs(value - float(torch.tensor(value).half()))
+        assert (x_hat - x).abs().max() <= rounding + 16 * ref.EPS, f"dim {dim}"
+        if rounding == 0:
+            assert torch.equal(x_hat, x)
+
+
+def test_zeros_are_exact():
+    x = torch.zeros(3, 2, HEAD_DIM)
+    codes, scale, minimum = ref.quantize_per_token(x)
+    assert (codes == 0).all() and (minimum == 0).all()
+    assert torch.equal(ref.dequantize_per_token(codes, scale, minimum), x)
+
+
+@pytest.mark.parametrize("outlier", [1e4, -3e4, 60000.0])
+def test_huge_outlier_is_kept_and_the_rest_stays_bounded(gen, outlier):
+    x = torch.randn(6, HEAD_DIM, generator=gen)
+    x[torch.arange(6), torch.randint(0, HEAD_DIM, (6,), generator=gen)] = outlier
+    codes, scale, minimum = ref.quantize_per_token(x)
+    assert torch.isfinite(scale).all()
+    x_hat = ref.dequantize_per_token(codes, scale, minimum)
+    assert_round_trip_bound(x, x_hat, scale[:, None], minimum[:, None], x.amin(-1, keepdim=True))
+    extreme = x.abs() == abs(outlier)
+    assert torch.allclose(x_hat[extreme], x[extreme], rtol=2e-3)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 1e6])
+def test_nonfinite_or_fp16_overflowing_input_gives_a_nan_scale(gen, bad):
+    """Documented behaviour: the broken vector dequantizes to NaN, its neighbours are untouched."""
+    x = torch.randn(5, HEAD_DIM, generator=gen)
+    x[2, 17] = bad
+    codes, scale, minimum = ref.quantize_per_token(x)
+    assert torch.isnan(scale[2]) and torch.isfinite(scale[[0, 1, 3, 4]]).all()
+    x_hat = ref.dequantize_per_token(codes, scale, minimum)
+    assert torch.isnan(x_hat[2]).all()
+    good = [0, 1, 3, 4]
+    assert_round_trip_bound(x[good], x_hat[good], scale[good, None], minimum[good, None], x[good].amin(-1, keepdim=True))
+
+    codes, scale, minimum = ref.quantize_per_channel(x)
+    assert torch.isnan(scale[17]) and torch.isfinite(scale[torch.arange(HEAD_DIM) != 17]).all()
+    assert torch.isnan(ref.dequantize_per_channel(codes, scale, minimum)[:, 17]).all()
+
+
+def test_nibble_packing_puts_channel_j_low_and_j_plus_64_high(gen):
+    codes = torch.randint(0, 16, (9, 3, HEAD_DIM), generator=gen, dtype=torch.uint8)
+    packed = ref.pack_nibbles(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (9, 3, HEAD_DIM // 2)
+    assert torch.equal(packed & 0xF, codes[..., :64]) and torch.equal(packed >> 4, codes[..., 64:])
+    assert torch.equal(ref.unpack_nibbles(packed), codes)
+    every_byte = torch.arange(256, dtype=torch.uint8).view(4, 64)
+    assert torch.equal(ref.pack_nibbles(ref.unpack_nibbles(every_byte)), every_byte)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hadamard rotation
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [1, 2, 32, 64, 128])
+def test_block_hadamard_is_orthonormal_symmetric_and_block_diagonal(block):
+    r = block_hadamard(block, HEAD_DIM, dtype=torch.float64)
+    assert r.shape == (HEAD_DIM, HEAD_DIM) and r.dtype == torch.float64
+    torch.testing.assert_close(r @ r.T, torch.eye(HEAD_DIM, dtype=torch.float64))
+    assert torch.equal(r, r.T)
+    nonzero = r != 0
+    same_block = (torch.arange(HEAD_DIM)[:, None] // block) == (torch.arange(HEAD_DIM)[None, :] // block)
+    assert torch.equal(nonzero, same_block)
+    assert torch.allclose(r[nonzero].abs(), torch.tensor(block**-0.5, dtype=torch.float64))
+    h = sylvester_hadamard(block)
+    assert torch.equal(h @ h.T, block * torch.eye(block, dtype=torch.float64))
+
+
+def test_block_hadamard_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="power of two"):
+        sylvester_hadamard(48)
+    with pytest.raises(ValueError, match="power of two"):
+        sylvester_hadamard(0)
+    with pytest.raises(ValueError, match="does not divide"):
+        block_hadamard(64, 96)
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=SCHEME_IDS)
+def test_scheme_rotation_is_its_block_hadamard(scheme):
+    assert torch.equal(scheme.rotation("cpu"), block_hadamard(scheme.hadamard_block, HEAD_DIM))
+    assert scheme.rotation("cpu", dtype=torch.float16).dtype == torch.float16
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scheme options
+# ---------------------------------------------------------------------------------------------------------------
+def test_scheme_parsing_defaults_and_options():
+    kivi = Int4Scheme.parse({"scheme": "int4_kivi"})
+    assert (kivi.name, kivi.hadamard_block, kivi.rotate_values, kivi.is_kivi) == ("int4_kivi", 128, False, True)
+    saw = Int4Scheme.parse({"scheme": "int4_saw"})
+    assert (saw.name, saw.hadamard_block, saw.rotate_values, saw.is_kivi) == ("int4_saw", 128, False, False)
+    saw = Int4Scheme.parse({"scheme": "int4_saw", "hadamard_block": 32, "rotate_values": True})
+    assert (saw.hadamard_block, saw.rotate_values) == (32, True)
+    assert Int4Scheme.parse({"scheme": "int4_saw", "hadamard_block": 64}) == Int4Scheme("int4_saw", 64)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({}, "need a \"scheme\""),
+        ("int4_saw", "need a \"scheme\""),
+        (None, "need a \"scheme\""),
+        ({"scheme": "int8"}, "unknown s4kv scheme 'int8'"),
+        ({"scheme": "INT4_SAW"}, "unknown s4kv scheme"),
+        ({"scheme": "int4_saw", "hadamard_block": 16}, "hadamard_block must be one of"),
+        ({"scheme": "int4_saw", "hadamard_block": "64"}, "hadamard_block must be one of"),
+        ({"scheme": "int4_saw", "rotate_values": "yes"}, "rotate_values must be true or false"),
+        ({"scheme": "int4_saw", "rotate_value": True}, r"unknown option\(s\) \['rotate_value'\]"),
+        ({"scheme": "int4_kivi", "hadamard_block": 128}, r"unknown option\(s\) \['hadamard_block'\] for int4_kivi"),
+        ({"scheme": "int4_kivi", "rotate_values": False}, "unknown option"),
+    ],
+)
+def test_scheme_parsing_errors_name_the_problem(options, message):
+    with pytest.raises(ValueError, match=message):
+        Int4Scheme.parse(options)
+
+
+def test_scheme_constructor_validates_too():
+    with pytest.raises(ValueError, match="unknown s4kv scheme"):
+        Int4Scheme("int4")
+    with pytest.raises(ValueError, match="int4_kivi takes no rotation options"):
+        Int4Scheme("int4_kivi", rotate_values=True)
+    with pytest.raises(ValueError, match="int4_kivi takes no rotation options"):
+        Int4Scheme("int4_kivi", hadamard_block=64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# page layout and views
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+def test_page_layout_regions_tile_the_page(block_size):
+    lay = PageLayout(block_size)
+    b = block_size
+    assert (lay.k_codes, lay.v_codes, lay.v_params, lay.k_params, lay.page_bytes) == (0, 64 * b, 128 * b, 132 * b, 136 * b)
+    assert BYTES_PER_TOKEN == 136
+    assert cache_shape(7, 4, block_size) == (7, 4, 136 * block_size)
+
+
+@pytest.mark.parametrize("block_size", [0, 8, 100, -16])
+def test_page_layout_rejects_bad_block_sizes(block_size):
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PageLayout(block_size)
+
+
+def test_page_views_reject_a_cache_of_the_wrong_kind():
+    with pytest.raises(ValueError, match="uint8"):
+        ref.PageViews(torch.zeros(2, 1, 136 * 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match="uint8"):
+        ref.PageViews(torch.zeros(2, 136 * 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="not block_size \\* 136"):
+        ref.PageViews(torch.zeros(2, 1, 137 * 16, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_each_page_view_writes_only_its_documented_bytes(gen, block_size):
+    """Poison a cache, write one entry through each view, check exactly the documented bytes changed."""
+    num_blocks, num_heads = 3, 2
+    lay = PageLayout(block_size)
+    regions = {  # view name -> (start of region, bytes per entry), from docs/format.md
+        "k_codes": (lay.k_codes, 64), "v_codes": (lay.v_codes, 64),
+        "v_params": (lay.v_params, 4), "k_params": (lay.k_params, 4),
+    }
+    for name, (start, size) in regions.items():
+        blk, head, entry = 1, 1, int(torch.randint(0, block_size, (1,), generator=gen))
+        cache = poisoned_cache(num_blocks, num_heads, block_size, gen, "cpu")
+        before = cache.clone()
+        view = getattr(ref.PageViews(cache), name)
+        if name.endswith("codes"):
+            view[blk, head, entry] = ~before[blk, head, start + size * entry : start + size * (entry + 1)]
+        else:
+            view[blk, head, entry] = torch.tensor([1.5, -2.25], dtype=torch.float16)
+        changed = (cache != before).nonzero().tolist()
+        expected = [[blk, head, start + size * entry + i] for i in range(size)]
+        if name.endswith("params"):  # some bytes of the new fp16 pair may equal the poison by chance
+            assert set(map(tuple, changed)) <= set(map(tuple, expected)) and changed
+            raw = cache[blk, head, start + size * entry : start + size * (entry + 1)]
+            assert raw.view(torch.float16).tolist() == [1.5, -2.25]
+        else:
+            assert changed == expected, name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# store
+# ---------------------------------------------------------------------------------------------------------------
+def stored_keys_rotated(cache, slots, scheme):
+    """Per-token dequantized keys of ``slots`` in the rotated space, with their params: ([n, H, 128], scale, min)."""
+    pages = ref.PageViews(cache)
+    blk, off = slots // pages.block_size, slots % pages.block_size
+    params = pages.k_params[blk, :, off]
+    return ref.dequantize_per_token(ref.unpack_nibbles(pages.k_codes[blk, :, off]), params[..., 0], params[..., 1]), params
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=SCHEME_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_store_writes_only_its_slots_and_skips_padding(gen, scheme, dtype):
+    block_size = 128 if scheme.is_kivi else 32
+    num_blocks, num_heads = 4, 3
+    cache = poisoned_cache(num_blocks, num_heads, block_size, gen, "cpu")
+    before = cache.clone()
+    # random distinct slots that leave every block open (kivi closing is tested on its own), -1 rows hold NaN
+    open_slots = torch.arange(num_blocks * block_size).view(num_blocks, block_size)[1:, :-1].flatten()
+    slots = open_slots[torch.randperm(open_slots.numel(), generator=gen)[:40]]
+    slots[torch.randperm(40, generator=gen)[:7]] = -1
+    key = random_keys(gen, 40, num_heads, dtype, "cpu")
+    value = random_values(gen, 40, num_heads, dtype, "cpu")
+    key[slots < 0] = float("nan")
+    value[slots < 0] = float("nan")
+    ref.store_kv(key, value, cache, slots, scheme)
+
+    mask = written_byte_mask(slots, cache, scheme).expand_as(cache)
+    assert torch.equal(cache[~mask], before[~mask]), "store changed bytes outside its slots"
+    live = slots >= 0
+    rot = scheme.rotation("cpu")
+    k_rot, kp = stored_keys_rotated(cache, slots[live], scheme)
+    x = key[live].float() @ rot
+    assert_round_trip_bound(x, k_rot, kp[..., 0, None], kp[..., 1, None], x.amin(-1, keepdim=True))
+    pages = ref.PageViews(cache)
+    blk, off = slots[live] // block_size, slots[live] % block_size
+    vp = pages.v_params[blk, :, off]
+    v_hat = ref.dequantize_per_token(ref.unpack_nibbles(pages.v_codes[blk, :, off]), vp[..., 0], vp[..., 1])
+    v = value[live].float() @ rot if scheme.rotate_values else value[live].float()
+    assert_round_trip_bound(v, v_hat, vp[..., 0, None], vp[..., 1, None], v.amin(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=SCHEME_IDS)
+def test_store_then_dequantize_follows_a_shuffled_block_table(gen, scheme):
+    block_size = 128 if scheme.is_kivi else 16
+    batch = make_paged_batch(gen, [(0, 300), (150, 9), (5, 1), (0, 40)], num_q_heads=4, num_kv_heads=2,
+                             block_size=block_size, dtype=torch.float16, device="cpu", num_padding=3)
+    cache = cache_with_prefix(batch, scheme, gen, "cpu")
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    for i, (k, v) in enumerate(zip(batch.seq_keys, batch.seq_values)):
+        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], int(batch.seq_lens[i]), scheme)
+        assert k_hat.shape == v_hat.shape == k.shape and torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all()
+        # int4 over ~N(0, 1) data: the rms error is a small fraction of the data's rms, never more than a step
+        assert relative_error(k_hat, k) < 0.12, f"sequence {i}"
+        assert relative_error(v_hat, v) < 0.12, f"sequence {i}"
+
+
+def test_kivi_needs_block_size_128(gen):
+    cache = poisoned_cache(2, 1, 64, gen, "cpu")
+    key = torch.randn(1, 1, HEAD_DIM, generator=gen)
+    with pytest.raises(ValueError, match="int4_kivi needs block_size 128"):
+        ref.store_kv(key, key, cache, torch.tensor([3]), KIVI)
+
+
+def staged(keys: torch.Tensor) -> torch.Tensor:
+    """What an open KIVI block holds for keys [n, H, 128]: per token after the full rotation, dequantized back."""
+    rot = KIVI.rotation("cpu")
+    return ref.dequantize_per_token(*ref.quantize_per_token(keys.float() @ rot)) @ rot
+
+
+def closed_block(cache, blk):
+    """The per-channel codes and params of every head of a closed KIVI block: [H, 128, 128], [H, 128], [H, 128]."""
+    pages = ref.PageViews(cache)
+    return ref.unpack_nibbles(pages.k_codes[blk]), pages.k_params[blk, :, :, 0], pages.k_params[blk, :, :, 1]
+
+
+def assert_per_channel_of(cache, blk, block_keys):
+    """The closed block ``blk`` holds quantize_per_channel(block_keys [128, H, 128]), up to rare +-1 codes."""
+    codes, scale, minimum = closed_block(cache, blk)
+    for h in range(block_keys.shape[1]):
+        want_codes, want_scale, want_min = ref.quantize_per_channel(block_keys[:, h])
+        torch.testing.assert_close(scale[h], want_scale, rtol=1e-3, atol=0)
+        torch.testing.assert_close(minimum[h], want_min, rtol=1e-3, atol=1e-6)
+        diff = (codes[h].int() - want_codes.int()).abs()
+        assert diff.max() <= 1 and (diff != 0).float().mean() < 0.002, f"head {h}"
+
+
+def test_kivi_block_filled_in_one_batch_is_per_channel_from_the_original_keys(gen):
+    """A prefill of 300 tokens closes two blocks exactly from the original keys; the third stays open."""
+    batch = make_paged_batch(gen, [(0, 300)], num_q_heads=2, num_kv_heads=2, block_size=128,
+                             dtype=torch.bfloat16, device="cpu")
+    cache = poisoned_cache(batch.num_blocks, 2, 128, gen, "cpu")
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI)
+    keys = batch.seq_keys[0].float()
+    for j in range(2):
+        blk = int(batch.block_table[0, j])
+        codes, scale, minimum = closed_block(cache, blk)
+        for h in range(2):
+            want = ref.quantize_per_channel(keys[128 * j : 128 * (j + 1), h])
+            assert torch.equal(codes[h], want[0]) and torch.equal(scale[h], want[1]) and torch.equal(minimum[h], want[2])
+    k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[0], 300, KIVI)
+    torch.testing.assert_close(k_hat[256:], staged(keys[256:]), rtol=0, atol=1e-5)
+
+
+def test_kivi_block_filled_by_decode_ends_per_channel_with_bounded_double_quantization(gen):
+    """128 one-token steps: the block closes per channel from its staged keys; measure what that costs."""
+    num_heads = 4
+    keys = random_keys(gen, 128, num_heads, torch.float32, "cpu")
+    values = random_values(gen, 128, num_heads, torch.float32, "cpu")
+    blk = 2
+    cache = poisoned_cache(3, num_heads, 128, gen, "cpu")
+    padding = torch.full((1, num_heads, HEAD_DIM), float("nan"))
+    for t in range(128):
+        # each step also carries a padding row and a token of another sequence (in block 0)
+        other = random_keys(gen, 1, num_heads, torch.float32, "cpu")
+        slots = torch.tensor([-1, blk * 128 + t, t])
+        ref.store_kv(torch.cat([padding, keys[t : t + 1], other]), torch.cat([padding, values[t : t + 1], other]),
+                     cache, slots, KIVI)
+    # the closing token itself is in the batch: it comes exact, the 127 before it from their staged copies
+    staged_keys = torch.cat([staged(keys[:127]), keys[127:]])
+    assert_per_channel_of(cache, blk, staged_keys)
+
+    k_hat, _ = ref.dequantize_sequence(cache, torch.tensor([blk]), 128, KIVI)
+    single = torch.stack([ref.dequantize_per_channel(*ref.quantize_per_channel(keys[:, h])) for h in range(num_heads)], 1)
+    rms = {
+        "per-channel once": relative_error(single, keys),
+        "staged per-token": relative_error(staged_keys, keys),
+        "closed after decode": relative_error(k_hat, keys),
+    }
+    # the two quantization errors are independent, so they add in quadrature: no blow-up, just ~sqrt(2) x
+    assert rms["closed after decode"] >= rms["per-channel once"]
+    assert rms["closed after decode"] <= 1.1 * math.hypot(rms["per-channel once"], rms["staged per-token"]), rms
+    # per element: the staged error plus half a per-channel step (and fp16 rounding of the params)
+    _, scale, minimum = closed_block(cache, blk)
+    bound = (staged_keys - keys).abs() + scale * (0.5 + 2**-7) + (staged_keys.amin(0) - minimum.float()).abs() + 1e-5
+    assert ((k_hat - keys).abs() <= bound).all()
+
+
+def test_kivi_block_closed_by_a_later_chunk_mixes_staged_and_original_keys(gen):
+    """Chunk 1 writes tokens 0..59 (staged), chunk 2 writes 60..199 and closes block 0: 60..127 come exact."""
+    batch = make_paged_batch(gen, [(60, 140)], num_q_heads=1, num_kv_heads=1, block_size=128,
+                             dtype=torch.float16, device="cpu")
+    cache = cache_with_prefix(batch, KIVI, gen, "cpu")
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI)
+    keys = batch.seq_keys[0].float()
+    block_keys = torch.cat([staged(keys[:60]), keys[60:128]])
+    assert_per_channel_of(cache, int(batch.block_table[0, 0]), block_keys)
+
+
+def test_kivi_open_block_reads_back_the_staged_keys(gen):
+    batch = make_paged_batch(gen, [(20, 30), (0, 1)], num_q_heads=3, num_kv_heads=3, block_size=128,
+                             dtype=torch.float32, device="cpu")
+    cache = cache_with_prefix(batch, KIVI, gen, "cpu")
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI)
+    for i in range(2):
+        k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[i], int(batch.seq_lens[i]), KIVI)
+        torch.testing.assert_close(k_hat, staged(batch.seq_keys[i]), rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paged attention
+# ---------------------------------------------------------------------------------------------------------------
+# (context, q_len): a fresh prefill, chunked prefills over cached prefixes that cross block boundaries, decodes
+MIXED_BATCH = [(0, 37), (130, 1), (250, 20), (3, 1), (128, 1), (90, 45)]
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=SCHEME_IDS)
+@pytest.mark.parametrize("group", [1, 4, 7])
+def test_paged_attention_is_plain_attention_over_the_dequantized_cache(gen, scheme, group):
+    num_kv_heads = 2 if group < 7 else 1
+    block_size = 128 if scheme.is_kivi else 32
+    batch = make_paged_batch(gen, MIXED_BATCH, num_q_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
+                             block_size=block_size, dtype=torch.float16, device="cpu", num_padding=2)
+    cache = cache_with_prefix(batch, scheme, gen, "cpu")
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    softmax_scale = HEAD_DIM**-0.5
+    out = ref.paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                              softmax_scale, scheme)
+    assert out.dtype == torch.float32 and out.shape == batch.query.shape and torch.isfinite(out).all()
+
+    starts = batch.query_start_loc.tolist()
+    for i in range(len(MIXED_BATCH)):
+        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], int(batch.seq_lens[i]), scheme)
+        want = causal_attention(batch.query[starts[i] : starts[i + 1]], k_hat, v_hat, softmax_scale)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), want, rtol=1e-4, atol=1e-5)
+
+    # against attention over the unquantized K/V: 16 levels over ~N(0, 1) data leave ~10% rms error per vector
+    # and the output inherits it (measured 0.15-0.18 here); a misread page or block table gives ~100%
+    err = relative_error(out, unquantized_attention(batch, softmax_scale))
+    assert err < 0.25, f"{scheme.name}: relative error {err:.3f} against unquantized attention"
