@@ -28,6 +28,19 @@ from .triton_common import rotate_halves
 LOG2E = 1.4426950408889634
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile (tokens per loop step, divides the page), warps and software-pipeline stages of one launch."""
+
+    tile: int
+    num_warps: int
+    num_stages: int
+
+
+DECODE_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
+PREFILL_LAUNCH = LaunchConfig(tile=32, num_warps=4, num_stages=2)
+
+
 @triton.jit
 def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     """Sequence i owning global query block q_block, where sequence i's blocks start at qsl[i] // BLOCK_Q + i."""
@@ -45,30 +58,36 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 
 @triton.jit
 def _load_codes(cache_u8_ptr, page, region, offset, written):
+    """Codes of a tile as two [TILE, 64] integer halves (channels j and j + 64); 0 for unwritten slots."""
     ch = tl.arange(0, 64)
     packed = tl.load(cache_u8_ptr + page + region + offset[:, None] * 64 + ch[None, :], mask=written[:, None], other=0)
-    return (packed & 15).to(tl.float32), (packed >> 4).to(tl.float32)
+    return packed & 15, packed >> 4
 
 
 @triton.jit
-def _scores_per_token(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, offset, written):
-    """Q K^T for keys quantized per token (in the rotated space: q is the rotated query)."""
-    s_t = tl.load(cache_f16_ptr + k_params + offset * 2, mask=written, other=0.0).to(tl.float32)[:, None]
-    m_t = tl.load(cache_f16_ptr + k_params + offset * 2 + 1, mask=written, other=0.0).to(tl.float32)[:, None]
+def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written):
+    """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys."""
+    s_t = tl.load(cache_f16_ptr + k_params + offset * 2, mask=written, other=0.0).to(tl.float32)
+    m_t = tl.load(cache_f16_ptr + k_params + offset * 2 + 1, mask=written, other=0.0).to(tl.float32)
     dt = q_lo.dtype
-    return tl.dot(q_lo, tl.trans((k_lo * s_t + m_t).to(dt))) + tl.dot(q_hi, tl.trans((k_hi * s_t + m_t).to(dt)))
+    raw = tl.dot(q_lo, tl.trans(k_lo.to(dt))) + tl.dot(q_hi, tl.trans(k_hi.to(dt)))
+    return raw * s_t[None, :] + q_sum[:, None] * m_t[None, :]
 
 
 @triton.jit
 def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params):
-    """Q K^T for a closed KIVI block: unrotated keys with one (scale, min) per channel."""
+    """Q K^T for a closed KIVI block (unrotated keys, per-channel params): (Q * scale) . codes + Q . min."""
     ch = tl.arange(0, 64)
     s_lo = tl.load(cache_f16_ptr + k_params + ch * 2).to(tl.float32)[None, :]
     m_lo = tl.load(cache_f16_ptr + k_params + ch * 2 + 1).to(tl.float32)[None, :]
     s_hi = tl.load(cache_f16_ptr + k_params + 128 + ch * 2).to(tl.float32)[None, :]
     m_hi = tl.load(cache_f16_ptr + k_params + 128 + ch * 2 + 1).to(tl.float32)[None, :]
     dt = q_lo.dtype
-    return tl.dot(q_lo, tl.trans((k_lo * s_lo + m_lo).to(dt))) + tl.dot(q_hi, tl.trans((k_hi * s_hi + m_hi).to(dt)))
+    q32_lo = q_lo.to(tl.float32)
+    q32_hi = q_hi.to(tl.float32)
+    bias = tl.sum(q32_lo * m_lo, 1) + tl.sum(q32_hi * m_hi, 1)
+    raw = tl.dot((q32_lo * s_lo).to(dt), tl.trans(k_lo.to(dt))) + tl.dot((q32_hi * s_hi).to(dt), tl.trans(k_hi.to(dt)))
+    return raw + bias[:, None]
 
 
 @triton.jit
@@ -108,6 +127,7 @@ def _paged_attention_kernel(
         qr_lo, qr_hi = rotate_halves(q_lo, q_hi, HADAMARD_BLOCK)
         qr_lo = qr_lo.to(dt)
         qr_hi = qr_hi.to(dt)
+        qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
 
         kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
         num_tiles = tl.cdiv(kv_end, TILE)
@@ -119,6 +139,7 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc_lo = tl.zeros([BLOCK_M, 64], tl.float32)
         acc_hi = tl.zeros([BLOCK_M, 64], tl.float32)
+        acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
         for tile in range(first_tile, last_tile):
             start = tile * TILE
             logical_block = start // BLOCK_SIZE
@@ -134,9 +155,9 @@ def _paged_attention_kernel(
                 if (logical_block + 1) * BLOCK_SIZE <= seq_len:
                     scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params)
                 else:
-                    scores = _scores_per_token(qr_lo, qr_hi, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
+                    scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
             else:
-                scores = _scores_per_token(qr_lo, qr_hi, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
+                scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
             visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None])
             scores = tl.where(visible, scores * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -146,12 +167,15 @@ def _paged_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, written)
             v_params = (page + layout_v_params) // 2 + offset * 2
-            sv = tl.load(cache_f16_ptr + v_params, mask=written, other=0.0).to(tl.float32)[:, None]
-            mv = tl.load(cache_f16_ptr + v_params + 1, mask=written, other=0.0).to(tl.float32)[:, None]
-            p = p.to(dt)
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(p, (v_lo * sv + mv).to(dt))
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(p, (v_hi * sv + mv).to(dt))
+            sv = tl.load(cache_f16_ptr + v_params, mask=written, other=0.0).to(tl.float32)
+            mv = tl.load(cache_f16_ptr + v_params + 1, mask=written, other=0.0).to(tl.float32)
+            p_scaled = (p * sv[None, :]).to(dt)
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo.to(dt))
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(p_scaled, v_hi.to(dt))
+            acc_min = acc_min * alpha + tl.sum(p * mv[None, :], 1)
             m_i = m_new
+        acc_lo += acc_min[:, None]
+        acc_hi += acc_min[:, None]
 
         if ROTATE_V:
             acc_lo, acc_hi = rotate_halves(acc_lo, acc_hi, HADAMARD_BLOCK)
@@ -232,7 +256,8 @@ class SplitWorkspace:
 
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len: int,
-                    softmax_scale: float, scheme: Int4Scheme, out, workspace: SplitWorkspace | None = None) -> None:
+                    softmax_scale: float, scheme: Int4Scheme, out, workspace: SplitWorkspace | None = None,
+                    launch: LaunchConfig | None = None) -> None:
     """Causal attention of query [T, Hq, 128] over the int4 paged cache into out [T, Hq, 128]."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
@@ -247,10 +272,10 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     decode = max_query_len == 1
     if decode:
         block_m = max(16, triton.next_power_of_2(group))
-        block_q, tile = 1, 64
+        block_q, launch = 1, launch or DECODE_LAUNCH
     else:
         block_m = max(64, triton.next_power_of_2(group))
-        block_q, tile = block_m // group, 32
+        block_q, launch = block_m // group, launch or PREFILL_LAUNCH
     num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None) else 1
     if num_splits > 1 and workspace.num_q_heads != num_q_heads:
         raise ValueError("workspace was allocated for another number of query heads")
@@ -264,9 +289,10 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         softmax_scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1),
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile, BLOCK_SIZE=block_size,
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=launch.tile, BLOCK_SIZE=block_size,
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=KIVI_STAGING_BLOCK if scheme.is_kivi else scheme.hadamard_block,
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
