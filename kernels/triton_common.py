@@ -3,8 +3,8 @@
 import triton
 import triton.language as tl
 
-QMAX = 15.0
-EPS = 2.0**-14  # same as reference.EPS
+QMAX = tl.constexpr(15.0)
+EPS = tl.constexpr(2.0**-14)  # same as reference.EPS
 
 
 @triton.jit

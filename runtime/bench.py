@@ -29,7 +29,7 @@ DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "configs" / "qwen2.5-7b
 # An engine needs about a minute to start (torch.compile + CUDA graphs for a 7B shape): with less
 # budget than this left, starting one only burns device time.
 MIN_ENGINE_BUDGET_S = 120
-ENGINE_MODULE = "s4kv.runtime.bench_engine"
+ENGINE_MODULE = "s4kv.runtime.bench_engine"  # the tests swap in a stand-in engine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,8 +104,8 @@ def prepare_model(model: Path, folder: Path) -> Path:
 
 
 def run_engine(fmt: str, settings: EngineSettings, workloads: list[str], model_dir: Path, load_format: str,
-               vocab_size: int, out: Path, timeout: float | None, engine_module: str = ENGINE_MODULE) -> dict:
-    """One engine process (``python -m engine_module SPEC``); returns the run record (status, capacity,
+               vocab_size: int, out: Path, timeout: float | None) -> dict:
+    """One engine process (``python -m ENGINE_MODULE SPEC``); returns the run record (status, capacity,
     results or the error)."""
     name = f"{fmt}-{settings.key}"
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -115,7 +115,7 @@ def run_engine(fmt: str, settings: EngineSettings, workloads: list[str], model_d
                                      "load_format": load_format, "vocab_size": vocab_size}))
     with open(log_path, "w") as log:
         # Own process group: vLLM starts an engine-core child, which a timeout must take down too.
-        proc = subprocess.Popen([sys.executable, "-m", engine_module, str(spec_path)],
+        proc = subprocess.Popen([sys.executable, "-m", ENGINE_MODULE, str(spec_path)],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
