@@ -145,6 +145,7 @@ def _end_group(proc: subprocess.Popen) -> None:
             break
         for _ in range(20):  # up to 10 s for the group to exit and release the GPU
             time.sleep(0.5)
+            proc.poll()  # reap our own child, or its zombie keeps the group alive
             try:
                 os.killpg(proc.pid, 0)
             except ProcessLookupError:

@@ -49,7 +49,7 @@ def _bars(groups: dict[str, dict[str, float]], formats: list[str], x0: float, fm
             value = values[fmt]
             h = area_h * value / top
             x = gx + fi * bar_w
-            out.append(f'<rect class="bar" data-group="{escape(group)}" data-format="{fmt}" data-value="{value:.6g}" '
+            out.append(f'<rect class="bar" data-group="{escape(group)}" data-format="{fmt}" data-value="{value:.10g}" '
                        f'x="{x:.1f}" y="{base_y - h:.1f}" width="{bar_w * 0.9:.1f}" height="{h:.1f}" '
                        f'fill="{COLORS.get(fmt, "#777777")}"/>')
             out.append(f'<text x="{x + bar_w * 0.45:.1f}" y="{base_y - h - 3:.1f}" font-size="9" '

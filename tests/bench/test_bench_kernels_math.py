@@ -1,0 +1,69 @@
+"""CPU checks of tools/bench_kernels.py: the bytes it counts, its shuffled page tables and slot ids, its tables."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PATH = Path(__file__).resolve().parents[2] / "tools" / "bench_kernels.py"
+
+
+@pytest.fixture(scope="module")
+def bk():
+    spec = importlib.util.spec_from_file_location("bench_kernels", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_kernels"] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_bytes_count_kv_plus_q_and_out(bk):
+    q_and_out = 2 * 256 * 28 * 128 * 2
+    assert bk.decode_bytes(256, 32768, "int4") == 256 * 32768 * 4 * 136 + q_and_out
+    assert bk.decode_bytes(256, 32768, "bf16") == 256 * 32768 * 4 * 512 + q_and_out
+    # at long contexts int4 must read 512/136 = 3.76x fewer bytes: the ceiling on its speed-up over FA3
+    ratio = bk.decode_bytes(32, 32768, "bf16") / bk.decode_bytes(32, 32768, "int4")
+    assert ratio == pytest.approx(512 / 136, rel=1e-3)
+
+
+def test_store_bytes_read_bf16_write_int4(bk):
+    assert bk.store_bytes(8192, "int4") == 8192 * 4 * (512 + 136)
+
+
+def test_block_table_is_a_shuffled_partition_of_the_pages(bk):
+    seed = int(torch.randint(0, 2**31, ()))
+    batch, pages = 7, 13
+    table = bk.shuffled_block_table(batch, pages, torch.Generator().manual_seed(seed))
+    assert table.shape == (batch, pages) and table.dtype == torch.int32
+    assert torch.equal(table.flatten().sort().values, torch.arange(batch * pages, dtype=torch.int32))
+    assert not torch.equal(table.flatten(), torch.arange(batch * pages, dtype=torch.int32))
+
+
+def test_slots_follow_the_block_table(bk):
+    table = bk.shuffled_block_table(5, 6, torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()))))
+    block = 16
+    seqs = torch.randint(0, 5, (50,))
+    positions = torch.randint(0, 6 * block, (50,))
+    slots = bk.slots_for(table, seqs, positions, block)
+    for s, p, slot in zip(seqs.tolist(), positions.tolist(), slots.tolist()):
+        assert slot // block == table[s, p // block] and slot % block == p % block
+    # every (sequence, position) has its own slot
+    all_seqs = torch.arange(5).repeat_interleave(6 * block)
+    all_pos = torch.arange(6 * block).repeat(5)
+    assert len(set(bk.slots_for(table, all_seqs, all_pos, block).tolist())) == 5 * 6 * block
+
+
+def test_decode_table_reports_gbps_and_speed_vs_fa3(bk):
+    fa3 = bk.Timing("fa3_bf16", 32, 16384, 2.0, bk.decode_bytes(32, 16384, "bf16"))
+    saw = bk.Timing("s4kv_saw", 32, 16384, 0.8, bk.decode_bytes(32, 16384, "int4"), 0.08)
+    broken = bk.Timing("vllm_int4", 32, 16384, None, 1, error="RuntimeError: illegal memory access\ntrace")
+    assert saw.gbps == pytest.approx(bk.decode_bytes(32, 16384, "int4") / 0.8e-3 / 1e9)
+    table = bk.render_decode_table([saw, broken, fa3], copy_gbps=4300.0)
+    header, _, row = table.splitlines()[:3]
+    assert header == "| batch | context | fa3_bf16 | vllm_int4 | s4kv_saw |"
+    assert row.startswith("| 32 | 16,384 | 2,000 us")
+    assert f"{saw.gbps:,.0f} GB/s, 2.50x" in row
+    assert "failed: RuntimeError: illegal memory access |" in row
+    assert "copy ceiling 4,300 GB/s" in table

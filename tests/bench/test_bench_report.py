@@ -1,0 +1,127 @@
+"""Parsing engine logs, merging runs and the table with ratios to bf16 + FA3 (no GPU, no vLLM)."""
+
+import json
+import random
+
+import pytest
+
+from s4kv.runtime import bench_report
+from s4kv.runtime.bench_engine import RESULT_PREFIX
+from s4kv.runtime.bench_matrix import FULL_CARD, WORKLOADS
+
+# issue 4's measured baseline (H200, vLLM 0.26.0): capacity, short tok/s, long wall s
+ISSUE_NUMBERS = {
+    "bf16_fa3": (2_043_840, 7378.0, 16.2),
+    "fp8_fa3": (4_087_680, 7636.0, 15.3),
+    "vllm_int4": (7_694_464, 4516.0, 87.9),
+}
+
+
+def engine_log(kv_tokens: int, payload: dict | None) -> str:
+    lines = [
+        "INFO 11-30 08:00:01 [core.py:100] Initializing a V1 LLM engine (v0.26.0)",
+        f"(EngineCore pid=4242) INFO 11-30 08:00:40 [kv_cache_utils.py:2177] GPU KV cache size: {kv_tokens:,} tokens",
+        "(EngineCore pid=4242) INFO 11-30 08:00:40 [kv_cache_utils.py:2179] Maximum concurrency for 20,480 tokens "
+        "per request: 99.80x",
+    ]
+    if payload is not None:
+        lines.append(RESULT_PREFIX + json.dumps(payload))
+    return "\n".join(lines) + "\n"
+
+
+def run_record(fmt: str, kv: int, results: dict, status: str = "ok", engine=FULL_CARD) -> dict:
+    record = {"format": fmt, "engine": engine.as_dict(), "workloads": list(results) or ["short", "long"],
+              "status": status}
+    if status == "ok":
+        record.update(kv_cache_tokens=kv, startup_s=50.0, results=results)
+    else:
+        record.update(error="exit code 1; log tail:\nTraceback ...")
+    return record
+
+
+def issue_doc() -> dict:
+    runs = []
+    for fmt, (kv, short, long_s) in ISSUE_NUMBERS.items():
+        runs.append(run_record(fmt, kv, {"short": {"output_tok_s": short, "wall_s": 65536 / short},
+                                         "long": {"output_tok_s": 8192 / long_s, "wall_s": long_s}}))
+    return {"meta": {"gpu": "NVIDIA H200"}, "runs": runs}
+
+
+def test_kv_cache_line_is_parsed_with_thousands_separators():
+    kv = random.randint(10_000, 9_000_000)
+    assert bench_report.parse_kv_cache_tokens(engine_log(kv, None)) == kv
+    assert bench_report.parse_kv_cache_tokens("no such line\n") is None
+
+
+def test_last_kv_cache_line_wins():
+    log = engine_log(1_000, None) + engine_log(2_345_678, None)
+    assert bench_report.parse_kv_cache_tokens(log) == 2_345_678
+
+
+def test_result_line_round_trips_and_missing_result_is_none():
+    payload = {"startup_s": random.random() * 60, "gpu": "NVIDIA H200", "vllm": "0.26.0",
+               "workloads": {"short": {"output_tok_s": random.random() * 1e4}}}
+    assert bench_report.parse_engine_result(engine_log(5, payload)) == payload
+    assert bench_report.parse_engine_result(engine_log(5, None)) is None
+
+
+def test_table_reproduces_issue_ratios():
+    rows = bench_report.build_table(issue_doc())
+    by_key = {row.key: row for row in rows}
+    capacity = by_key[f"kv:{FULL_CARD.key}"].cells
+    assert capacity["bf16_fa3"].ratio == pytest.approx(1.0)
+    assert capacity["vllm_int4"].ratio == pytest.approx(7_694_464 / 2_043_840)
+    assert by_key["short"].cells["vllm_int4"].ratio == pytest.approx(4516 / 7378)
+    assert by_key["long"].cells["vllm_int4"].ratio == pytest.approx(87.9 / 16.2)
+    # our schemes were not in this document: their columns are absent, not invented
+    assert "s4kv_kivi" not in capacity
+    text = bench_report.render_markdown(rows)
+    assert "7,694,464 (3.76x)" in text
+    assert "4,516 (0.61x)" in text
+    assert "87.9 s (5.43x)" in text
+    assert "| bf16 + FA3 | fp8 + FA3 | vLLM int4_per_token_head |" in text
+
+
+def test_failed_and_missing_cells_say_so():
+    doc = issue_doc()
+    doc["runs"].append(run_record("s4kv_saw", 0, {}, status="failed"))
+    rows = bench_report.build_table(doc, ["bf16_fa3", "s4kv_saw", "s4kv_kivi"])
+    short = next(r for r in rows if r.key == "short")
+    assert short.cells["s4kv_saw"].render("tok/s") == "failed"
+    assert short.cells["s4kv_kivi"].render("tok/s") == "not run"
+    assert short.cells["bf16_fa3"].render("tok/s") == "7,378 (1.00x)"
+
+
+def test_merge_keeps_call_order_and_latest_ok_run_counts():
+    first = issue_doc()
+    faster = random.uniform(8000, 9000)
+    second = {"meta": {}, "runs": [run_record("bf16_fa3", 2_043_840, {"short": {"output_tok_s": faster}})]}
+    third = {"meta": {}, "runs": [run_record("bf16_fa3", 0, {"short": {}}, status="failed")]}
+    merged = bench_report.merge([first, second, third])
+    assert merged["meta"]["gpu"] == "NVIDIA H200"
+    assert len(merged["runs"]) == len(first["runs"]) + 2
+    short = next(r for r in bench_report.build_table(merged) if r.key == "short")
+    assert short.cells["bf16_fa3"].value == pytest.approx(faster)  # the later failure does not erase it
+    assert short.cells["vllm_int4"].ratio == pytest.approx(4516 / faster)
+
+
+def test_merge_rejects_other_json():
+    with pytest.raises(ValueError, match="no 'runs'"):
+        bench_report.merge([{"decode": []}])
+
+
+def test_target_check_flags_misses():
+    doc = issue_doc()
+    doc["runs"].append(run_record("s4kv_kivi", 7_694_464, {"short": {"output_tok_s": 7500.0},
+                                                           "long": {"wall_s": 17.0}}))
+    verdicts = bench_report.target_check(bench_report.build_table(doc), "s4kv_kivi")
+    assert any(v.startswith("capacity") and v.endswith("ok") for v in verdicts)
+    assert any(v.startswith("short 1.02x") and v.endswith("ok") for v in verdicts)
+    assert any(v.startswith("long 1.05x") and v.endswith("MISSED") for v in verdicts)
+
+
+def test_workloads_match_issue_4():
+    shapes = {name: (w.num_requests, w.input_len, w.output_len, w.engine.max_num_seqs, w.engine.gpu_memory_utilization)
+              for name, w in WORKLOADS.items()}
+    assert shapes == {"short": (256, 1024, 256, 256, 0.90), "long": (32, 16384, 256, 256, 0.90),
+                      "many": (1024, 2048, 512, 1024, 0.90), "24gb": (256, 2048, 512, 256, 0.16)}

@@ -1,0 +1,135 @@
+"""`s4kv bench` orchestration with a stand-in engine process: one process per configuration, logs parsed,
+failures and time-outs recorded (the engine process group is taken down), outputs written and merged."""
+
+import argparse
+import json
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from s4kv.runtime import bench
+from s4kv.runtime.bench_engine import FIRST_SPECIAL_TOKEN, token_prompts
+from s4kv.runtime.bench_matrix import WORKLOADS, engine_groups, parse_names
+
+# Prints what vLLM and bench_engine print; capacity and speed depend on the format, s4kv_saw crashes.
+FAKE_ENGINE = textwrap.dedent("""
+    import json, sys
+    spec = json.load(open(sys.argv[1]))
+    if spec["format"] == "s4kv_saw":
+        print("Traceback (most recent call last):\\nRuntimeError: CUDA error: an illegal memory access")
+        sys.exit(1)
+    speed = {"bf16_fa3": 1.0, "vllm_int4": 0.6, "s4kv_kivi": 1.1}[spec["format"]]
+    kv = {"bf16_fa3": 2043840, "vllm_int4": 7694464, "s4kv_kivi": 7694464}[spec["format"]]
+    print(f"(EngineCore pid=1) INFO [kv_cache_utils.py:2177] GPU KV cache size: {kv:,} tokens")
+    results = {w: {"wall_s": 10 / speed, "output_tok_s": 1000 * speed, "output_tokens": 1, "total_tok_s": 1}
+               for w in spec["workloads"]}
+    print("S4KV_BENCH_RESULT " + json.dumps({"startup_s": 1.0, "gpu": "Fake GPU", "vllm": "0.26.0",
+                                             "workloads": results}))
+""")
+
+# Starts a grandchild (as vLLM starts its engine core) and hangs.
+HANGING_ENGINE = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    open(sys.argv[1] + ".grandchild", "w").write(str(child.pid))
+    time.sleep(120)
+""")
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """Install an engine module under tmp_path and make bench start it instead of vLLM."""
+    def install(source: str, name: str) -> None:
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.setattr(bench, "ENGINE_MODULE", name)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    return install
+
+
+def bench_args(out: Path, **overrides) -> argparse.Namespace:
+    args = dict(configs="all", workloads="all", model=bench.DEFAULT_MODEL, load_format="dummy", out=out,
+                budget_s=None, merge=None, dry_run=False)
+    args.update(overrides)
+    return argparse.Namespace(**args)
+
+
+def test_parse_names_keeps_table_order_and_rejects_unknown():
+    assert parse_names("s4kv_saw,bf16_fa3,s4kv_saw", {"bf16_fa3": 1, "s4kv_saw": 2}, "configs") == \
+        ["bf16_fa3", "s4kv_saw"]
+    assert parse_names("all", WORKLOADS, "workloads") == ["short", "long", "many", "24gb"]
+    with pytest.raises(ValueError, match="unknown workloads"):
+        parse_names("short,huge", WORKLOADS, "workloads")
+
+
+def test_short_and_long_share_an_engine():
+    groups = engine_groups(["24gb", "long", "short", "many"])
+    assert [names for _, names in groups] == [["24gb"], ["long", "short"], ["many"]]
+
+
+def test_prompts_are_distinct_token_ids_of_the_right_length():
+    workload = WORKLOADS["short"]
+    prompts = token_prompts(workload, vocab_size=152064)
+    assert len(prompts) == workload.num_requests
+    ids = [p["prompt_token_ids"] for p in prompts]
+    assert all(len(p) == workload.input_len for p in ids)
+    assert len({tuple(p[:8]) for p in ids}) == len(ids)  # no shared prefixes for prefix caching to reuse
+    assert max(max(p) for p in ids) < FIRST_SPECIAL_TOKEN and min(min(p) for p in ids) >= 0
+
+
+def test_full_run_writes_table_plot_and_records_failures(tmp_path, stand_in, capsys):
+    stand_in(FAKE_ENGINE, "fake_engine")
+    out = tmp_path / "out"
+    code = bench.run(bench_args(out, configs="bf16_fa3,vllm_int4,s4kv_kivi,s4kv_saw", workloads="short,long,24gb"))
+    assert code == 1  # s4kv_saw failed
+    doc = json.loads((out / "results.json").read_text())
+    assert len(doc["runs"]) == 8  # 4 formats x 2 engine settings, one process each
+    assert doc["meta"]["gpu"] == "Fake GPU"
+    saw = [r for r in doc["runs"] if r["format"] == "s4kv_saw"]
+    assert all(r["status"] == "failed" and "illegal memory access" in r["error"] for r in saw)
+    table = (out / "table.md").read_text()
+    assert "7,694,464 (3.76x)" in table
+    assert "1,100 (1.10x)" in table  # s4kv_kivi short throughput vs bf16
+    assert "9.1 s (0.91x)" in table  # s4kv_kivi long wall time
+    assert (out / "plot.svg").read_text().startswith("<svg")
+    assert (out / "model" / "config.json").is_file()
+    printed = capsys.readouterr().out
+    assert "s4kv_kivi: capacity" in printed and "MISSED" not in printed.split("s4kv_kivi:")[1].splitlines()[0]
+
+
+def test_merge_of_two_calls(tmp_path, stand_in):
+    stand_in(FAKE_ENGINE, "fake_engine")
+    assert bench.run(bench_args(tmp_path / "a", configs="bf16_fa3", workloads="short")) == 0
+    assert bench.run(bench_args(tmp_path / "b", configs="s4kv_kivi", workloads="short")) == 0
+    merged = tmp_path / "merged"
+    assert bench.run(bench_args(merged, merge=[tmp_path / "a" / "results.json", tmp_path / "b" / "results.json"])) == 0
+    assert "1,100 (1.10x)" in (merged / "table.md").read_text()
+
+
+def test_budget_skips_engines_instead_of_starting_them(tmp_path, stand_in):
+    stand_in(FAKE_ENGINE, "fake_engine")
+    out = tmp_path / "out"
+    assert bench.run(bench_args(out, configs="bf16_fa3", workloads="short", budget_s=bench.MIN_ENGINE_BUDGET_S - 1)) == 0
+    run, = json.loads((out / "results.json").read_text())["runs"]
+    assert run["status"] == "skipped" and "time budget" in run["error"]
+    assert not (out / "logs").exists()
+
+
+def test_timeout_takes_down_the_whole_engine_process_group(tmp_path, stand_in):
+    stand_in(HANGING_ENGINE, "hanging_engine")
+    model_dir = bench.prepare_model(bench.DEFAULT_MODEL, tmp_path / "model")
+    record = bench.run_engine("bf16_fa3", WORKLOADS["short"].engine, ["short"], model_dir, "dummy", 152064,
+                              tmp_path, timeout=3)
+    assert record["status"] == "failed" and "timed out" in record["error"]
+    spec = tmp_path / "logs" / f"bf16_fa3-{WORKLOADS['short'].engine.key}.spec.json"
+    grandchild = int(Path(str(spec) + ".grandchild").read_text())
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(grandchild, 0)
+
+
+def test_missing_model_config_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="not found"):
+        bench.prepare_model(tmp_path / "nope.json", tmp_path / "model")
