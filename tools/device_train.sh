@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Train both reference models on the lent H200 in one call (about 7.5 minutes), from the repo root:
+#
+#   device run, carry [".corpus"], timeout_s 600:   bash tools/device_train.sh
+#
+# Needs .corpus/ from `python tools/build_corpus.py` (git-ignored; about 30 MB, so do not carry .vlb too).
+# The machine's own torch 2.11 + transformers 5.17 + tokenizers are used; no vLLM, no install.
+# Comes back in $OUT: s4kv-ref-qwen2.tar, s4kv-ref-llama3.tar, train_log.txt. Then, here:
+#   for t in <files_at>/*.tar; do tar -xf "$t" -C models/; done
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?OUT must be set (the device call sets it)}"
+[ -f .corpus/train.txt.xz ] || { echo "no .corpus/train.txt.xz: build it and name .corpus in carry"; exit 2; }
+# s4kv is not installed there: expose runtime/ and kernels/ under their namespaced import names.
+site=/tmp/s4kv-path/s4kv
+mkdir -p "$site" && ln -sfn "$PWD/runtime" "$site/runtime" && ln -sfn "$PWD/kernels" "$site/kernels"
+export PYTHONPATH=/tmp/s4kv-path PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 tools/train_reference.py --out "$OUT" --seconds-per-model "${SECONDS_PER_MODEL:-190}"
+ls -la "$OUT"
