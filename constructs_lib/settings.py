@@ -1,0 +1,67 @@
+"""What a deployment is: read once from the CDK context (cdk.json and ``-c key=value``), validated.
+
+Context keys: modelId, instanceType, scheme (int4_kivi | int4_saw | bf16), allowedCidr (optional:
+becomes the AllowedCidr parameter's default; the exported templates never have one), regions
+(comma separated: one stack per region), flavour (dlami | marketplace), maxModelLen, s4kvPipSpec.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from s4kv.runtime import catalog
+from s4kv.runtime.capacity import SCHEME_FORMAT
+
+FLAVOURS = ("dlami", "marketplace")
+DEFAULT_MODEL = "Qwen/Qwen2.5-7B-Instruct"
+DEFAULT_INSTANCE = "g6.xlarge"
+DEFAULT_MAX_MODEL_LEN = 32768
+# pip requirement for this project's plugin. Until s4kv is on PyPI, deploy with a pinned git URL or a
+# wheel URL instead (docs/deploy.md): -c s4kvPipSpec=git+https://HOST/ORG/s4kv@COMMIT
+DEFAULT_S4KV_PIP_SPEC = "s4kv==0.1.0"
+VLLM_PIP_SPEC = "vllm==0.26.0"
+
+
+@dataclass(frozen=True)
+class DeploySettings:
+    model_id: str = DEFAULT_MODEL
+    instance_type: str = DEFAULT_INSTANCE
+    scheme: str = "int4_kivi"
+    allowed_cidr: str | None = None
+    regions: tuple[str, ...] = ()
+    flavour: str = "dlami"
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    s4kv_pip_spec: str = DEFAULT_S4KV_PIP_SPEC
+
+    def __post_init__(self) -> None:
+        catalog.instance_type(self.instance_type)  # raises with the list of known types
+        if self.scheme not in SCHEME_FORMAT:
+            raise ValueError(f"scheme must be one of {', '.join(SCHEME_FORMAT)}, got {self.scheme!r}")
+        if self.flavour not in FLAVOURS:
+            raise ValueError(f"flavour must be one of {', '.join(FLAVOURS)}, got {self.flavour!r}")
+        if self.allowed_cidr is not None:
+            network = ipaddress.ip_network(self.allowed_cidr, strict=True)  # ValueError names the problem
+            if network.version != 4:
+                raise ValueError(f"allowedCidr must be an IPv4 CIDR, got {self.allowed_cidr!r}")
+        if self.max_model_len < 1:
+            raise ValueError(f"maxModelLen must be positive, got {self.max_model_len}")
+
+    @classmethod
+    def from_context(cls, node) -> "DeploySettings":
+        def get(key: str, default=None):
+            value = node.try_get_context(key)
+            return default if value in (None, "") else value
+
+        regions = get("regions", "")
+        regions = tuple(r.strip() for r in regions.split(",") if r.strip()) if isinstance(regions, str) else tuple(regions)
+        return cls(
+            model_id=get("modelId", DEFAULT_MODEL),
+            instance_type=get("instanceType", DEFAULT_INSTANCE),
+            scheme=get("scheme", "int4_kivi"),
+            allowed_cidr=get("allowedCidr"),
+            regions=regions,
+            flavour=get("flavour", "dlami"),
+            max_model_len=int(get("maxModelLen", DEFAULT_MAX_MODEL_LEN)),
+            s4kv_pip_spec=get("s4kvPipSpec", DEFAULT_S4KV_PIP_SPEC),
+        )

@@ -1,0 +1,1 @@
+"""CDK stacks of the S4 KV deployment: they only compose constructs_lib/."""

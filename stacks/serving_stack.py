@@ -1,0 +1,154 @@
+"""GPU serving stack: parameters, then the constructs of constructs_lib/, then outputs. No logic of its own
+beyond wiring; the per-instance vLLM settings come from ``s4kv capacity`` via constructs_lib.serving_plan.
+
+Flavours: ``dlami`` installs the runtime at boot on the AWS Deep Learning AMI found through its public
+SSM parameter; ``marketplace`` boots a baked AMI (stacks/ami_stack.py) given as the ImageId parameter.
+"""
+
+from __future__ import annotations
+
+from aws_cdk import CfnCondition, CfnMapping, CfnOutput, CfnParameter, Fn, Stack, Token, aws_logs as logs
+from constructs import Construct
+
+from constructs_lib import serving_plan
+from constructs_lib.api_key import ApiKeySecret
+from constructs_lib.network import ServingNetwork
+from constructs_lib.server_instance import ServerInstance
+from constructs_lib.server_role import ServerRole
+from constructs_lib.settings import VLLM_PIP_SPEC, DeploySettings
+from constructs_lib.user_data import SERVER_PORT, user_data
+from stacks.nag import acknowledge
+
+# The x86_64 "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04)", by the naming rule of
+# the DLAMI guide's "Finding the ID of a DLAMI" page (docs/deploy.md says which spelling and why).
+DLAMI_SSM_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+CIDR_PATTERN = r"^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})/(\d{1,2})$"
+VLLM_ARGS_PATTERN = r"^[A-Za-z0-9 ._=,:/+-]*$"  # no quotes or shell metacharacters: written to a sourced file
+PIP_SPEC_PATTERN = r"^[A-Za-z0-9._=<>~!+:/@#%-]+$"
+SECRET_ARN_PATTERN = r"^(arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:\d{12}:secret:[A-Za-z0-9/_+=.@-]+)?$"
+SCHEMES = ["int4_kivi", "int4_saw", "bf16"]
+
+
+class GpuServingStack(Stack):
+    def __init__(self, scope: Construct, id: str, *, settings: DeploySettings, **kwargs) -> None:
+        super().__init__(scope, id, **kwargs)
+        plans = serving_plan.plans_for(settings.model_id, settings.max_model_len)
+        if settings.instance_type not in plans:
+            raise ValueError(f"{settings.model_id} does not fit on {settings.instance_type}; "
+                             f"it fits on: {', '.join(plans)}")
+        marketplace = settings.flavour == "marketplace"
+        self.template_options.description = (
+            f"S4 KV: {settings.model_id} behind vLLM's OpenAI-compatible API (port {SERVER_PORT}) with an int4 KV "
+            f"cache, on one GPU instance ({'baked AMI' if marketplace else 'AWS Deep Learning AMI'}).")
+        p = self._parameters(settings, list(plans), marketplace)
+
+        is_bf16 = CfnCondition(self, "IsBf16", expression=Fn.condition_equals(p["Scheme"].value_as_string, "bf16"))
+        zone_given = CfnCondition(self, "ZoneGiven", expression=Fn.condition_not(
+            Fn.condition_equals(p["AvailabilityZone"].value_as_string, "")))
+        plan_table = CfnMapping(self, serving_plan.MAPPING_NAME, mapping=serving_plan.mapping(plans))
+        instance_type = p["InstanceType"].value_as_string
+
+        def plan_value(key: str) -> str:
+            return plan_table.find_in_map(instance_type, key)
+
+        zone = Token.as_string(Fn.condition_if(zone_given.logical_id, p["AvailabilityZone"].value_as_string,
+                                               Fn.select(0, Fn.get_azs())))
+        network = ServingNetwork(self, "Network", availability_zone=zone,
+                                 allowed_cidr=p["AllowedCidr"].value_as_string, port=SERVER_PORT)
+        api_key = ApiKeySecret(self, "ApiKey", supplied_secret_arn=p["ApiKeySecretArn"].value_as_string)
+        log_group = logs.CfnLogGroup(self, "ServerLogs", retention_in_days=30)
+        role = ServerRole(self, "Server", log_group_arn=log_group.attr_arn, api_key_secret_arn=api_key.secret_arn)
+        vllm_args = Token.as_string(Fn.condition_if(is_bf16.logical_id, plan_value("Bf16Args"), plan_value("Int4Args")))
+        variables = {
+            "ModelId": settings.model_id, "Scheme": p["Scheme"].value_as_string, "VllmArgs": vllm_args,
+            "ExtraVllmArgs": p["ExtraVllmArgs"].value_as_string, "ApiKeySecretArn": api_key.secret_arn,
+            "LogGroupName": log_group.ref,
+        }
+        if not marketplace:
+            variables.update(S4kvPipSpec=p["S4kvPipSpec"].value_as_string, VllmPipSpec=VLLM_PIP_SPEC)
+        image = p["ImageId"] if marketplace else p["DeepLearningAmi"]
+        server = ServerInstance(
+            self, "Gpu", image_id=image.value_as_string, instance_type=instance_type,
+            subnet_id=network.subnet.ref, security_group_id=network.security_group.ref,
+            instance_profile=role.instance_profile.ref, root_volume_gib=p["RootVolumeGiB"].value_as_number,
+            user_data=user_data(not marketplace, variables))
+        server.instance.add_resource_dependency(network.dependable)
+        self.server, self.network, self.role, self.api_key = server, network, role, api_key
+        self._outputs(server, api_key, log_group, plan_value, vllm_args)
+        self._acknowledge()
+
+    def _acknowledge(self) -> None:
+        """Each finding this design accepts, on the construct it concerns, with the reason."""
+        acknowledge(self.network.security_group, (
+            "AwsSolutions::AwsSolutions-EC23",
+            "The only ingress is TCP 8000 from the AllowedCidr parameter, which has no default; cdk-nag cannot "
+            "evaluate a parameter. Egress is limited to 80 and 443."))
+        acknowledge(self.server.instance, (
+            "AwsSolutions::AwsSolutions-EC29",
+            "A single serving instance owned by this stack: deleting or replacing the stack must be able to "
+            "terminate it, which termination protection would block; nothing on it is persistent."))
+        acknowledge(self.role.role, (
+            "AwsSolutions::AwsSolutions-IAM5[Resource::*]",
+            "Only the five Session Manager actions (ssm:UpdateInstanceInformation, ssmmessages:*Channel) use "
+            "Resource *: they support no resource-level permissions. Logs and the secret are scoped to their ARNs."))
+        acknowledge(self.api_key.secret, (
+            "AwsSolutions::AwsSolutions-SMG4",
+            "A static bearer key shared with API clients: automatic rotation would break them without notice. "
+            "Rotate by hand (put-secret-value, then restart s4kv.service, which re-reads it); docs/deploy.md."))
+        acknowledge(self, (
+            "CloudFormation-Validate::W1001",
+            "The generated secret is only referenced inside Fn::If on its own condition (GenerateApiKey)."), (
+            "CloudFormation-Validate::W2509",
+            "ApiKeySecretArn holds the ARN of a secret, not a secret: the key itself never enters the template."))
+
+    def _parameters(self, settings: DeploySettings, instance_types: list[str], marketplace: bool) -> dict:
+        p = {}
+
+        def param(name: str, **kwargs) -> None:
+            p[name] = CfnParameter(self, name, **kwargs)
+
+        param("InstanceType", type="String", default=settings.instance_type, allowed_values=instance_types,
+              description=f"GPU instance type (those on which {settings.model_id} fits)")
+        param("Scheme", type="String", default=settings.scheme, allowed_values=SCHEMES,
+              description="KV cache: int4_kivi or int4_saw (S4 KV), bf16 (plain vLLM, for comparison)")
+        cidr = dict(type="String", allowed_pattern=CIDR_PATTERN,
+                    constraint_description="an IPv4 CIDR such as 203.0.113.7/32",
+                    description="Who may call port 8000 (IPv4 CIDR, e.g. your address/32). No default on purpose.")
+        if settings.allowed_cidr:
+            cidr["default"] = settings.allowed_cidr
+        param("AllowedCidr", **cidr)
+        param("ApiKeySecretArn", type="String", default="", allowed_pattern=SECRET_ARN_PATTERN,
+              description="Existing Secrets Manager secret (plain-text value) holding the API key; empty: generate one")
+        param("RootVolumeGiB", type="Number", default=200, min_value=100, max_value=16384,
+              description="Size of the encrypted gp3 root volume (GiB): runtime plus model weights")
+        param("AvailabilityZone", type="String", default="",
+              description="Zone for the instance (empty: the region's first zone); pick one that offers the type")
+        param("ExtraVllmArgs", type="String", default="", allowed_pattern=VLLM_ARGS_PATTERN,
+              description="More vLLM flags, e.g. --enable-prefix-caching (letters, digits, space and ._=,:/+- only)")
+        if marketplace:
+            param("ImageId", type="AWS::EC2::Image::Id",
+                  description="The S4 KV AMI of this region (built by the S4 KV Image Builder recipe)")
+        else:
+            param("DeepLearningAmi", type="AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>",
+                  default=DLAMI_SSM_PARAMETER, description="Public SSM parameter of the AWS Deep Learning AMI")
+            param("S4kvPipSpec", type="String", default=settings.s4kv_pip_spec, allowed_pattern=PIP_SPEC_PATTERN,
+                  description="pip requirement of the S4 KV plugin: s4kv==VERSION, git+https://...@COMMIT or a wheel URL")
+        return p
+
+    def _outputs(self, server, api_key, log_group, plan_value, vllm_args) -> None:
+        dns = server.instance.attr_public_dns_name
+        CfnOutput(self, "Endpoint", value=Fn.join("", ["http://", dns, f":{SERVER_PORT}/v1"]),
+                  description="OpenAI-compatible base URL (send the API key as a Bearer token)")
+        CfnOutput(self, "HealthUrl", value=Fn.join("", ["http://", dns, f":{SERVER_PORT}/health"]),
+                  description="Health check, no key needed: 200 once the model is loaded")
+        CfnOutput(self, "ApiKeySecret", value=api_key.secret_arn, description="Secrets Manager secret of the API key")
+        CfnOutput(self, "GetApiKeyCommand", description="How to read the API key",
+                  value=Fn.join("", ["aws secretsmanager get-secret-value --region ", self.region, " --secret-id ",
+                                     api_key.secret_arn, " --query SecretString --output text"]))
+        CfnOutput(self, "InstanceId", value=server.instance.ref)
+        CfnOutput(self, "SessionManagerCommand", value=Fn.join("", [
+            "aws ssm start-session --region ", self.region, " --target ", server.instance.ref]))
+        CfnOutput(self, "LogGroup", value=log_group.ref, description="Server and boot logs (CloudWatch Logs)")
+        CfnOutput(self, "VllmSettings", value=vllm_args, description="vLLM flags derived for this instance type")
+        CfnOutput(self, "CapacityEstimate", value=plan_value("Capacity"),
+                  description="Concurrent requests the KV cache holds (s4kv capacity)")
