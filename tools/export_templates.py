@@ -41,8 +41,8 @@ def _yaml_dump(template: dict) -> str:
     return yaml.dump(template, Dumper=Dumper, sort_keys=False, width=120, allow_unicode=True)
 
 
-def export(context: dict | None = None) -> dict[str, str]:
-    """File name -> YAML text of every exported template, synthesized in-process (no CLI needed)."""
+def build_export_app(context: dict | None = None, outdir: str | None = None):
+    """The app of the exported stacks (cdk-nag included), not yet synthesized."""
     os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
     sys.path.insert(0, str(REPO))
     from constructs_lib.settings import DeploySettings
@@ -51,18 +51,26 @@ def export(context: dict | None = None) -> dict[str, str]:
     from stacks.nag import add_nag
     from stacks.serving_stack import GpuServingStack
 
+    app = new_app(context=context, outdir=outdir)
+    # An export never carries the caller's CIDR as a default, nor a region list.
+    settings = replace(DeploySettings.from_context(app.node), allowed_cidr=None, regions=())
+    for name, flavour in TEMPLATES.values():
+        if flavour is None:
+            AmiBakeryStack(app, name, settings=settings, synthesizer=synthesizer())
+        else:
+            GpuServingStack(app, name, settings=replace(settings, flavour=flavour), synthesizer=synthesizer())
+    add_nag(app)
+    return app
+
+
+def templates_from(assembly) -> dict[str, str]:
+    """File name -> YAML text of every exported template of a synthesized export app."""
+    return {file: _yaml_dump(assembly.get_stack_by_name(name).template) for file, (name, _) in TEMPLATES.items()}
+
+
+def export(context: dict | None = None) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as outdir:
-        app = new_app(context=context, outdir=outdir)
-        # An export never carries the caller's CIDR as a default, nor a region list.
-        settings = replace(DeploySettings.from_context(app.node), allowed_cidr=None, regions=())
-        for name, flavour in TEMPLATES.values():
-            if flavour is None:
-                AmiBakeryStack(app, name, settings=settings, synthesizer=synthesizer())
-            else:
-                GpuServingStack(app, name, settings=replace(settings, flavour=flavour), synthesizer=synthesizer())
-        add_nag(app)
-        assembly = app.synth()
-        return {file: _yaml_dump(assembly.get_stack_by_name(name).template) for file, (name, _) in TEMPLATES.items()}
+        return templates_from(build_export_app(context, outdir).synth())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,195 @@
+"""Security and wiring properties of the synthesized templates (aws_cdk.assertions over the session's
+one synthesis), and the committed deploy/*.yaml being exactly a fresh export."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+import yaml
+from aws_cdk.assertions import Template
+
+from deploy_support import REGIONS, REPO
+
+SERVING = ("S4kvServing", "S4kvServingMarketplace")
+
+
+@pytest.fixture(scope="module", params=SERVING)
+def serving(request, synthesis):
+    return request.param, synthesis.template(request.param)
+
+
+def _only(template: dict, resource_type: str) -> dict:
+    found = [r for r in template["Resources"].values() if r["Type"] == resource_type]
+    assert len(found) == 1, f"expected one {resource_type}, found {len(found)}"
+    return found[0]["Properties"]
+
+
+def _user_data_text(template: dict) -> str:
+    """All literal text of the instance's user data (the Fn::Sub template and the static parts)."""
+    join = _only(template, "AWS::EC2::Instance")["UserData"]["Fn::Base64"]["Fn::Join"][1]
+    return "".join(part if isinstance(part, str) else part["Fn::Sub"][0] for part in join)
+
+
+def test_security_group_allows_only_port_8000_from_the_cidr_parameter(serving):
+    name, template = serving
+    assertions = Template.from_json(template)
+    assertions.resource_count_is("AWS::EC2::SecurityGroup", 1)
+    assertions.resource_count_is("AWS::EC2::SecurityGroupIngress", 0)
+    ingress = _only(template, "AWS::EC2::SecurityGroup")["SecurityGroupIngress"]
+    assert [{k: v for k, v in rule.items() if k != "Description"} for rule in ingress] == [
+        {"CidrIp": {"Ref": "AllowedCidr"}, "FromPort": 8000, "IpProtocol": "tcp", "ToPort": 8000}]
+    assert "Default" not in template["Parameters"]["AllowedCidr"], "the CIDR must have no default"
+    egress_ports = sorted(rule["FromPort"] for rule in _only(template, "AWS::EC2::SecurityGroup")["SecurityGroupEgress"])
+    assert egress_ports == [80, 443]
+
+
+def test_no_ssh_no_key_pair(serving):
+    _, template = serving
+    instance = _only(template, "AWS::EC2::Instance")
+    assert "KeyName" not in instance
+    assert all(p.get("Type") != "AWS::EC2::KeyPair::KeyName" for p in template["Parameters"].values())
+    assert "22" not in json.dumps(_only(template, "AWS::EC2::SecurityGroup")["SecurityGroupIngress"])
+
+
+def test_imdsv2_required_and_root_volume_encrypted_gp3_sized_by_parameter(serving):
+    _, template = serving
+    Template.from_json(template).has_resource_properties("AWS::EC2::Instance", {
+        "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
+        "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {
+            "Encrypted": True, "VolumeType": "gp3", "VolumeSize": {"Ref": "RootVolumeGiB"}, "DeleteOnTermination": True}}],
+        "Monitoring": True,
+    })
+
+
+def test_instance_role_is_least_privilege(serving):
+    _, template = serving
+    roles = {k: r["Properties"] for k, r in template["Resources"].items() if r["Type"] == "AWS::IAM::Role"}
+    server = next(p for p in roles.values() if "ec2.amazonaws.com" in json.dumps(p["AssumeRolePolicyDocument"]))
+    assert "ManagedPolicyArns" not in server
+    [policy] = server["Policies"]
+    statements = {s["Sid"]: s for s in policy["PolicyDocument"]["Statement"]}
+    assert set(statements) == {"SessionManager", "OwnLogGroup", "OwnApiKey"}
+    assert all(s["Effect"] == "Allow" for s in statements.values())
+    session = statements["SessionManager"]
+    assert session["Resource"] == "*" and all(a.startswith(("ssm:UpdateInstanceInformation", "ssmmessages:"))
+                                               for a in session["Action"])
+    assert statements["OwnLogGroup"]["Resource"] == {"Fn::GetAtt": ["ServerLogs", "Arn"]}
+    assert statements["OwnApiKey"]["Action"] == "secretsmanager:GetSecretValue"
+    secret_logical = next(k for k, r in template["Resources"].items() if r["Type"] == "AWS::SecretsManager::Secret")
+    assert statements["OwnApiKey"]["Resource"]["Fn::If"][1:] == [{"Ref": secret_logical}, {"Ref": "ApiKeySecretArn"}]
+    all_actions = json.dumps([s["Action"] for s in statements.values()])
+    assert "*\"" not in all_actions.replace("ssmmessages:", ""), "no wildcard actions"
+
+
+def test_api_key_is_generated_into_secrets_manager_and_never_in_template_or_user_data(serving):
+    _, template = serving
+    secret = next(r for r in template["Resources"].values() if r["Type"] == "AWS::SecretsManager::Secret")
+    assert secret["Condition"].startswith("ApiKeyGenerateApiKey")
+    assert "SecretString" not in secret["Properties"]
+    assert secret["Properties"]["GenerateSecretString"]["PasswordLength"] >= 32
+    user_data = _user_data_text(template)
+    assert "--api-key" not in user_data and "SecretString" not in user_data.replace(
+        "--query SecretString", ""), "the key must only ever be read by the server, at start"
+    if "start-server" in user_data and "#!/bin/bash\n# Starts the S4 KV server" in user_data:
+        # The only place the key exists on the instance: the launcher's environment, from Secrets Manager.
+        assert 'VLLM_API_KEY="$(aws secretsmanager get-secret-value' in user_data
+    outputs = template["Outputs"]
+    assert "get-secret-value" in json.dumps(outputs["GetApiKeyCommand"])
+
+
+def test_user_data_installs_pinned_runtime_and_starts_s4kv_serve(synthesis):
+    dlami = _user_data_text(synthesis.template("S4kvServing"))
+    marketplace = _user_data_text(synthesis.template("S4kvServingMarketplace"))
+    assert "pip install -q \"$VLLM_PIP_SPEC\" \"$S4KV_PIP_SPEC\"" in dlami
+    assert "S4KV_PIP_SPEC" not in marketplace, "the baked AMI installs nothing at boot"
+    for text in (dlami, marketplace):
+        assert "systemctl enable --now s4kv.service" in text
+        assert "amazon-cloudwatch-agent-ctl -a fetch-config" in text
+    dlami_sub = synthesis.template("S4kvServing")["Resources"]
+    variables = next(r for r in dlami_sub.values() if r["Type"] == "AWS::EC2::Instance")[
+        "Properties"]["UserData"]["Fn::Base64"]["Fn::Join"][1][0]["Fn::Sub"][1]
+    assert variables["VllmPipSpec"] == "vllm==0.26.0"
+    assert variables["ModelId"] == "Qwen/Qwen2.5-7B-Instruct"
+
+
+def test_dlami_from_public_ssm_parameter_and_marketplace_takes_image_id(synthesis):
+    dlami = synthesis.template("S4kvServing")["Parameters"]
+    assert dlami["DeepLearningAmi"] == {
+        "Type": "AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>",
+        "Default": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
+        "Description": dlami["DeepLearningAmi"]["Description"]}
+    market = synthesis.template("S4kvServingMarketplace")["Parameters"]
+    assert market["ImageId"]["Type"] == "AWS::EC2::Image::Id" and "Default" not in market["ImageId"]
+    assert "DeepLearningAmi" not in market
+    assert _only(synthesis.template("S4kvServingMarketplace"), "AWS::EC2::Instance")["ImageId"] == {"Ref": "ImageId"}
+
+
+def test_outputs_explain_endpoint_key_and_capacity(serving):
+    _, template = serving
+    assert {"Endpoint", "HealthUrl", "ApiKeySecret", "GetApiKeyCommand", "VllmSettings", "CapacityEstimate",
+            "InstanceId", "SessionManagerCommand", "LogGroup"} <= set(template["Outputs"])
+    assert ":8000/v1" in json.dumps(template["Outputs"]["Endpoint"])
+    assert ":8000/health" in json.dumps(template["Outputs"]["HealthUrl"])
+
+
+def test_mapping_rows_are_the_capacity_plans(synthesis):
+    from s4kv.runtime import capacity, catalog, model_shapes
+
+    model = model_shapes.load("Qwen/Qwen2.5-7B-Instruct")
+    plans = synthesis.template("S4kvServing")["Mappings"]["ServingPlans"]
+    assert list(plans) == synthesis.template("S4kvServing")["Parameters"]["InstanceType"]["AllowedValues"]
+    for name, row in plans.items():
+        int4 = capacity.plan(model, catalog.instance_type(name), "int4_kivi", 32768)
+        bf16 = capacity.plan(model, catalog.instance_type(name), "bf16", 32768)
+        assert row["Int4Args"] == " ".join(int4.vllm_args())
+        assert row["Bf16Args"] == " ".join(bf16.vllm_args())
+        assert f"int4 {int4.for_format('int4').concurrent_requests} concurrent" in row["Capacity"]
+
+
+def test_exported_templates_have_no_cdk_bootstrap_or_metadata(synthesis):
+    for name, text in synthesis.exported.items():
+        template = yaml.safe_load(text)
+        assert "Rules" not in template and "Metadata" not in template, name
+        assert "BootstrapVersion" not in template.get("Parameters", {}), name
+        assert "CDKMetadata" not in template["Resources"], name
+        assert all("Metadata" not in r for r in template["Resources"].values()), name
+        assert "aws:cdk" not in text and "cdk-bootstrap" not in text and "hnb659fds" not in text, name
+
+
+def test_committed_templates_equal_a_fresh_export(synthesis):
+    for name, text in synthesis.exported.items():
+        committed = (REPO / "deploy" / name).read_text()
+        assert committed == text, f"deploy/{name} is stale: run python tools/export_templates.py"
+
+
+def test_one_stack_per_region(synthesis):
+    assert [s.stack_name for s in synthesis.regional_stacks] == [f"S4kvServing-{r}" for r in REGIONS]
+    assert [s.region for s in synthesis.regional_stacks] == list(REGIONS)
+    regional = synthesis.template("S4kvServing-us-west-2")
+    assert regional["Mappings"] == synthesis.template("S4kvServing")["Mappings"]
+
+
+def test_rollout_refuses_a_region_that_does_not_offer_the_instance_type():
+    from constructs_lib.regions import check_offered, offered_regions
+
+    assert "us-east-1" in offered_regions("g6.xlarge")
+    check_offered("g6.xlarge", ["us-east-1", "us-west-2"])
+    not_offering = next(r for r in ("af-south-1", "eu-west-1", "ap-east-1") if r not in offered_regions("p5e.48xlarge"))
+    with pytest.raises(ValueError, match=f"not offered in {not_offering}"):
+        check_offered("p5e.48xlarge", ["us-west-2", not_offering])
+
+
+def test_bakery_recipe_uses_the_same_install_script(synthesis):
+    from constructs_lib.user_data import install_script
+
+    template = synthesis.template("S4kvAmiBakery")
+    document = json.loads(_only(template, "AWS::ImageBuilder::Component")["Data"])
+    [install] = document["phases"][0]["steps"][0]["inputs"]["commands"]
+    assert install.endswith(install_script()) and "VLLM_PIP_SPEC='vllm==0.26.0'" in install
+    infra = _only(template, "AWS::ImageBuilder::InfrastructureConfiguration")
+    assert infra["InstanceMetadataOptions"]["HttpTokens"] == "required"
+    recipe = _only(template, "AWS::ImageBuilder::ImageRecipe")
+    assert recipe["ParentImage"] == {"Ref": "DeepLearningAmi"}
+    assert recipe["BlockDeviceMappings"][0]["Ebs"]["Encrypted"] is True
