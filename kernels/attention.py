@@ -26,6 +26,7 @@ from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
 from .triton_common import rotate_halves
 
 LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @dataclass(frozen=True)
@@ -57,25 +58,37 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 
 
 @triton.jit
-def _load_codes(cache_u8_ptr, page, region, offset, written):
-    """Codes of a tile as two [TILE, 64] integer halves (channels j and j + 64); 0 for unwritten slots."""
+def _biased(nibbles, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr):
+    """CODE_BIAS + code as a 16-bit float, built with integer ops and a bitcast (no int->float conversion):
+    OR-ing a 4-bit code into the mantissa of 128.0 (bf16) or 1024.0 (fp16) adds exactly the code."""
+    bits = nibbles.to(tl.int16) | CODE_BIAS_BITS
+    if IS_BF16:
+        return bits.to(tl.bfloat16, bitcast=True)
+    else:
+        return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _load_codes(cache_u8_ptr, page, region, offset, written, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr):
+    """A tile's codes as two [TILE, 64] halves (channels j and j + 64), each CODE_BIAS + code in the query dtype."""
     ch = tl.arange(0, 64)
     packed = tl.load(cache_u8_ptr + page + region + offset[:, None] * 64 + ch[None, :], mask=written[:, None], other=0)
-    return packed & 15, packed >> 4
+    return _biased(packed & 15, IS_BF16, CODE_BIAS_BITS), _biased(packed >> 4, IS_BF16, CODE_BIAS_BITS)
 
 
 @triton.jit
-def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written):
-    """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys."""
+def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
+                      CODE_BIAS: tl.constexpr):
+    """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys.
+    k holds CODE_BIAS + code, so the bias comes off through sum(Q)."""
     s_t = tl.load(cache_f16_ptr + k_params + offset * 2, mask=written, other=0.0).to(tl.float32)
     m_t = tl.load(cache_f16_ptr + k_params + offset * 2 + 1, mask=written, other=0.0).to(tl.float32)
-    dt = q_lo.dtype
-    raw = tl.dot(q_lo, tl.trans(k_lo.to(dt))) + tl.dot(q_hi, tl.trans(k_hi.to(dt)))
-    return raw * s_t[None, :] + q_sum[:, None] * m_t[None, :]
+    raw = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+    return raw * s_t[None, :] + q_sum[:, None] * (m_t - CODE_BIAS * s_t)[None, :]
 
 
 @triton.jit
-def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params):
+def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_BIAS: tl.constexpr):
     """Q K^T for a closed KIVI block (unrotated keys, per-channel params): (Q * scale) . codes + Q . min."""
     ch = tl.arange(0, 64)
     s_lo = tl.load(cache_f16_ptr + k_params + ch * 2).to(tl.float32)[None, :]
@@ -85,20 +98,24 @@ def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params):
     dt = q_lo.dtype
     q32_lo = q_lo.to(tl.float32)
     q32_hi = q_hi.to(tl.float32)
+    qs_lo = (q32_lo * s_lo).to(dt)
+    qs_hi = (q32_hi * s_hi).to(dt)
     bias = tl.sum(q32_lo * m_lo, 1) + tl.sum(q32_hi * m_hi, 1)
-    raw = tl.dot((q32_lo * s_lo).to(dt), tl.trans(k_lo.to(dt))) + tl.dot((q32_hi * s_hi).to(dt), tl.trans(k_hi.to(dt)))
+    bias -= CODE_BIAS * (tl.sum(qs_lo.to(tl.float32), 1) + tl.sum(qs_hi.to(tl.float32), 1))
+    raw = tl.dot(qs_lo, tl.trans(k_lo)) + tl.dot(qs_hi, tl.trans(k_hi))
     return raw + bias[:, None]
 
 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_u8_ptr, cache_f16_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_acc_ptr, part_ml_ptr,
+    part_acc_ptr, part_ml_ptr, lse_ptr, lse_stride_t, lse_stride_h,
     qk_scale, num_seqs,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_table_stride, stride_block, stride_head,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_KIVI: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, ROTATE_V: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
+    PREFIX_ONLY: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -129,7 +146,10 @@ def _paged_attention_kernel(
         qr_hi = qr_hi.to(dt)
         qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
 
-        kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
+        if PREFIX_ONLY:
+            kv_end = context  # only the cached prefix; the new tokens attend to themselves elsewhere (FA)
+        else:
+            kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
         num_tiles = tl.cdiv(kv_end, TILE)
         tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
         first_tile = split * tiles_per_split
@@ -149,30 +169,30 @@ def _paged_attention_kernel(
             k_pos = start + tl.arange(0, TILE)
             # slots past the sequence end hold stale bytes: never let them reach the P @ V product
             written = k_pos < seq_len
-            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, written)
+            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, written, IS_BF16, CODE_BIAS_BITS)
             k_params = (page + layout_k_params) // 2
             if IS_KIVI:
                 if (logical_block + 1) * BLOCK_SIZE <= seq_len:
-                    scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params)
+                    scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_BIAS)
                 else:
-                    scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
+                    scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written, CODE_BIAS)
             else:
-                scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
-            visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None])
+                scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written, CODE_BIAS)
+            visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
             scores = tl.where(visible, scores * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(scores - m_ref[:, None])
             alpha = tl.exp2(m_i - m_ref)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, written)
+            v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, written, IS_BF16, CODE_BIAS_BITS)
             v_params = (page + layout_v_params) // 2 + offset * 2
             sv = tl.load(cache_f16_ptr + v_params, mask=written, other=0.0).to(tl.float32)
             mv = tl.load(cache_f16_ptr + v_params + 1, mask=written, other=0.0).to(tl.float32)
             p_scaled = (p * sv[None, :]).to(dt)
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo.to(dt))
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(p_scaled, v_hi.to(dt))
-            acc_min = acc_min * alpha + tl.sum(p * mv[None, :], 1)
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo)
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(p_scaled, v_hi)
+            acc_min = acc_min * alpha + tl.sum(p * mv[None, :], 1) - CODE_BIAS * tl.sum(p_scaled.to(tl.float32), 1)
             m_i = m_new
         acc_lo += acc_min[:, None]
         acc_hi += acc_min[:, None]
@@ -182,9 +202,12 @@ def _paged_attention_kernel(
         token = (q_start + q_tok).to(tl.int64)
         if NUM_SPLITS == 1:
             out_rows = out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + ch[None, :]
-            inv_l = 1.0 / l_i[:, None]
+            inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None]  # an empty prefix gives 0 with lse -inf
             tl.store(out_rows, (acc_lo * inv_l).to(out_ptr.dtype.element_ty), mask=row_live[:, None])
             tl.store(out_rows + 64, (acc_hi * inv_l).to(out_ptr.dtype.element_ty), mask=row_live[:, None])
+            if PREFIX_ONLY:
+                lse = (m_i + tl.log2(l_i)) * LN2
+                tl.store(lse_ptr + token * lse_stride_t + head * lse_stride_h, lse, mask=row_live)
         else:
             # decode: one token per sequence; partials indexed by (sequence, query head, split)
             part = ((seq * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split).to(tl.int64)
@@ -255,10 +278,25 @@ class SplitWorkspace:
         return min(self.max_splits, triton.next_power_of_2(want))
 
 
+def _code_bias(dtype: torch.dtype) -> dict:
+    """Exponent bits of 128.0 (bf16) or 1024.0 (fp16): the 16-bit float whose mantissa ulp is exactly 1."""
+    if dtype == torch.bfloat16:
+        return dict(IS_BF16=True, CODE_BIAS_BITS=0x4300, CODE_BIAS=128.0)
+    if dtype == torch.float16:
+        return dict(IS_BF16=False, CODE_BIAS_BITS=0x6400, CODE_BIAS=1024.0)
+    raise ValueError(f"query must be bf16 or fp16, got {dtype}")
+
+
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len: int,
                     softmax_scale: float, scheme: Int4Scheme, out, workspace: SplitWorkspace | None = None,
-                    launch: LaunchConfig | None = None) -> None:
-    """Causal attention of query [T, Hq, 128] over the int4 paged cache into out [T, Hq, 128]."""
+                    launch: LaunchConfig | None = None, prefix_lse: torch.Tensor | None = None) -> None:
+    """Causal attention of query [T, Hq, 128] over the int4 paged cache into out [T, Hq, 128].
+
+    With ``prefix_lse`` ([T, Hq] float32, any strides) only the cached prefix is attended (keys before the batch's
+    new tokens; all of them visible to every new token) and the log-sum-exp of each row is written there, so the
+    caller can attend the new tokens to themselves with FlashAttention on the fresh bf16 K/V and merge the two
+    (``merge_attention``). An empty prefix gives out = 0 and lse = -inf.
+    """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
     if head_dim != HEAD_DIM or num_q_heads % num_kv_heads:
@@ -276,7 +314,8 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     else:
         block_m = max(64, triton.next_power_of_2(group))
         block_q, launch = block_m // group, launch or PREFILL_LAUNCH
-    num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None) else 1
+    prefix_only = prefix_lse is not None
+    num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None and not prefix_only) else 1
     if num_splits > 1 and workspace.num_q_heads != num_q_heads:
         raise ValueError("workspace was allocated for another number of query heads")
     if num_splits > 1 and num_seqs * num_q_heads * num_splits > workspace.part_ml.shape[0]:
@@ -286,12 +325,14 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     _paged_attention_kernel[grid](
         query, out, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, query_start_loc,
         workspace.part_acc if num_splits > 1 else dummy, workspace.part_ml if num_splits > 1 else dummy,
+        prefix_lse if prefix_only else dummy,
+        prefix_lse.stride(0) if prefix_only else 0, prefix_lse.stride(1) if prefix_only else 0,
         softmax_scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=launch.tile, BLOCK_SIZE=block_size,
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=KIVI_STAGING_BLOCK if scheme.is_kivi else scheme.hadamard_block,
-        ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits,
+        ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, **_code_bias(query.dtype), PREFIX_ONLY=prefix_only,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if num_splits > 1:
@@ -299,3 +340,35 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
             out, workspace.part_acc, workspace.part_ml, query_start_loc, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits,
         )
+
+
+@triton.jit
+def _merge_attention_kernel(
+    out_ptr, a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, num_tokens,
+    out_st, out_sh, a_st, a_sh, a_lse_st, a_lse_sh, b_st, b_sh, b_lse_st, b_lse_sh,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    ch = tl.arange(0, 128)
+    lse_a = tl.load(a_lse_ptr + tok * a_lse_st + head * a_lse_sh)
+    lse_b = tl.load(b_lse_ptr + tok * b_lse_st + head * b_lse_sh)
+    top = tl.maximum(lse_a, lse_b)
+    w_a = tl.where(lse_a == float("-inf"), 0.0, tl.exp(lse_a - top))
+    w_b = tl.where(lse_b == float("-inf"), 0.0, tl.exp(lse_b - top))
+    a = tl.load(a_ptr + tok * a_st + head * a_sh + ch).to(tl.float32)
+    b = tl.load(b_ptr + tok * b_st + head * b_sh + ch).to(tl.float32)
+    merged = (a * w_a + b * w_b) / (w_a + w_b)
+    tl.store(out_ptr + tok * out_st + head * out_sh + ch, merged.to(out_ptr.dtype.element_ty))
+
+
+def merge_attention(out, a, a_lse, b, b_lse) -> None:
+    """out = softmax-weighted union of two attentions over disjoint key sets, given each one's output [T, Hq, 128]
+    and natural-log log-sum-exp [T, Hq] (any strides, e.g. FlashAttention's [Hq, T] transposed)."""
+    num_tokens, num_heads, _ = out.shape
+    if num_tokens == 0:
+        return
+    _merge_attention_kernel[(num_tokens, num_heads)](
+        out, a, a_lse, b, b_lse, num_tokens,
+        out.stride(0), out.stride(1), a.stride(0), a.stride(1), a_lse.stride(0), a_lse.stride(1),
+        b.stride(0), b.stride(1), b_lse.stride(0), b_lse.stride(1),
+    )
