@@ -1,0 +1,67 @@
+"""`s4kv eval` results as a Markdown table and a PNG plot (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .bench_matrix import FORMATS
+from .bench_plot import COLORS
+
+# (key in a regime's metrics, column title, format string)
+COLUMNS = [
+    ("top1_agreement", "top-1 agree", "{:.2%}"),
+    ("perplexity", "ppl", "{:.3f}"),
+    ("perplexity_delta_pct", "ppl delta", "{:+.2f}%"),
+    ("mean_kl", "mean KL", "{:.2e}"),
+    ("exact_match", "greedy exact", "{:.0%}"),
+    ("mean_first_divergence", "first diverge (mean)", "{:.1f}"),
+]
+PLOTTED = [("top1_agreement", "top-1 agreement with bf16"), ("perplexity_delta_pct", "perplexity delta (%)"),
+           ("mean_kl", "mean KL (nats)"), ("exact_match", "greedy exact match")]
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def markdown_table(result: dict) -> str:
+    """One row per (regime, format); formats in the order they ran, the reference first."""
+    lines = []
+    for regime, settings in result["regimes"].items():
+        lines.append(f"**{result['model_name']}, {regime} context** ({settings['windows']} x {settings['window_len']} "
+                     f"teacher-forced tokens; {settings['prompts']} prompts of {settings['prompt_len']} tokens, "
+                     f"{settings['generate']} greedy tokens each)\n")
+        lines.append("| KV format | " + " | ".join(title for _, title, _ in COLUMNS) + " |")
+        lines.append("|---" * (len(COLUMNS) + 1) + "|")
+        for name, per_regime in result["formats"].items():
+            metrics = per_regime[regime]
+            label = FORMATS[name].label if name in FORMATS else name
+            lines.append(f"| {label} | " + " | ".join(_cell(metrics.get(key), fmt) for key, _, fmt in COLUMNS) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    regimes = list(result["regimes"])
+    formats = list(result["formats"])
+    fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4.2 * len(PLOTTED), 3.6))
+    width = 0.8 / len(formats)
+    for ax, (key, title) in zip(axes, PLOTTED):
+        for i, name in enumerate(formats):
+            values = [result["formats"][name][r].get(key) or 0.0 for r in regimes]
+            ax.bar([x + i * width for x in range(len(regimes))], values, width,
+                   label=FORMATS[name].label if name in FORMATS else name, color=COLORS.get(name))
+        ax.set_xticks([x + width * (len(formats) - 1) / 2 for x in range(len(regimes))], regimes)
+        ax.set_title(title, fontsize=10)
+        if key == "mean_kl":
+            ax.set_yscale("symlog", linthresh=1e-4)
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"{result['model_name']}: KV formats against bf16 KV ({result['engine']} engine)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
