@@ -67,7 +67,7 @@ def timings():
     print("\ndecode attention, Qwen2.5-7B shape (28/4 heads), bf16 queries, median of do_bench")
     print(f"{'scheme':12s} {'batch':>5s} {'ctx':>6s} {'us':>9s} {'GB/s':>7s}")
     for scheme in SCHEMES[:2]:
-        for batch, ctx in ((1, 4096), (1, 32768), (32, 4096), (32, 16384), (256, 4096)):
+        for batch, ctx in ((1, 32768), (32, 16384), (256, 4096)):
             cache, bt, sl, qsl, q, *_ = build(batch, ctx, 28, 4, torch.bfloat16, scheme)
             out = torch.empty_like(q)
             ws = SplitWorkspace.allocate(28, 4, "cuda")
