@@ -192,6 +192,9 @@ def assert_caches_match(actual: torch.Tensor, expected: torch.Tensor, before: to
     for name, rows in (("k_params", keys), ("v_params", tokens)):
         a = getattr(got, name).transpose(1, 2)[rows].float()
         b = getattr(want, name).transpose(1, 2)[rows].float()
+        # a NaN scale marks a broken vector (it dequantizes to NaN whatever its min): its min is unspecified
+        broken = torch.isnan(b[..., 0])
+        a[..., 1][broken] = b[..., 1][broken] = 0
         torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-6, equal_nan=True, msg=lambda m: f"{name}: {m}")
 
 

@@ -1,0 +1,124 @@
+"""The Triton store kernel (kernels/store.py) against the torch reference, byte for byte.
+
+Without CUDA it runs under the Triton interpreter (set up in conftest.py), fp16 only, small shapes: about a
+minute of CI. With CUDA the same tests run the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_batches import assert_caches_match, cache_with_prefix, make_paged_batch, poisoned_cache, random_keys
+
+from s4kv.kernels import reference as ref
+from s4kv.kernels.layout import HEAD_DIM
+from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.store import store_kv
+
+SCHEMES = {
+    "kivi": Int4Scheme("int4_kivi"),
+    "saw128": Int4Scheme("int4_saw", 128),
+    "saw64-rotv": Int4Scheme("int4_saw", 64, rotate_values=True),
+    "saw32": Int4Scheme("int4_saw", 32),
+    "saw32-rotv": Int4Scheme("int4_saw", 32, rotate_values=True),
+}
+# (context, q_len): prefills that fill and close blocks, chunks over cached prefixes, decodes at block edges
+BATCHES = {
+    "mixed": [(0, 150), (127, 1), (60, 80), (3, 1), (128, 1)],
+    "decode": [(126, 1), (127, 1), (0, 1), (255, 1), (40, 1)],
+    "prefill": [(0, 256), (0, 17)],
+}
+
+
+def store_both(batch, scheme, gen, device):
+    """(kernel cache, reference cache, cache before) after storing the batch's new tokens over its prefix."""
+    before = cache_with_prefix(batch, scheme, gen, device)
+    expected = before.clone()
+    ref.store_kv(batch.key, batch.value, expected, batch.slot_mapping, scheme)
+    actual = before.clone()
+    store_kv(batch.key, batch.value, actual, batch.slot_mapping, scheme)
+    return actual, expected, before
+
+
+@pytest.mark.parametrize("batch_name", list(BATCHES))
+@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+def test_store_kernel_matches_reference(gen, kernel_device, scheme_name, batch_name):
+    scheme = SCHEMES[scheme_name]
+    num_kv_heads = {"mixed": 2, "decode": 3, "prefill": 1}[batch_name]
+    batch = make_paged_batch(gen, BATCHES[batch_name], num_q_heads=num_kv_heads, num_kv_heads=num_kv_heads,
+                             block_size=128, dtype=torch.float16, device=kernel_device, num_padding=3)
+    actual, expected, before = store_both(batch, scheme, gen, kernel_device)
+    assert_caches_match(actual, expected, before, batch.slot_mapping, scheme)
+
+
+@pytest.mark.parametrize("scheme_name", ["saw128", "saw32-rotv"])
+def test_store_kernel_small_pages(gen, kernel_device, scheme_name):
+    """int4_saw works with any block size that is a multiple of 16 (vLLM uses 128)."""
+    scheme = SCHEMES[scheme_name]
+    batch = make_paged_batch(gen, [(0, 70), (20, 13), (31, 1)], num_q_heads=2, num_kv_heads=2, block_size=16,
+                             dtype=torch.float16, device=kernel_device, num_padding=2)
+    actual, expected, before = store_both(batch, scheme, gen, kernel_device)
+    assert_caches_match(actual, expected, before, batch.slot_mapping, scheme)
+
+
+def test_store_kernel_kivi_decode_steps_close_a_block(gen, kernel_device):
+    """Decode steps across a block edge, each from the reference's state: staging, the close, the next block."""
+    scheme = SCHEMES["kivi"]
+    batch = make_paged_batch(gen, [(124, 8), (250, 8)], num_q_heads=2, num_kv_heads=2, block_size=128,
+                             dtype=torch.float16, device=kernel_device)
+    state = cache_with_prefix(batch, scheme, gen, kernel_device)
+    for step in range(8):
+        rows = torch.tensor([step, 8 + step])  # one new token per sequence, as vLLM schedules a decode
+        key, value, slots = batch.key[rows], batch.value[rows], batch.slot_mapping[rows]
+        actual = state.clone()
+        store_kv(key, value, actual, slots, scheme)
+        expected = state.clone()
+        ref.store_kv(key, value, expected, slots, scheme)
+        assert_caches_match(actual, expected, state, slots, scheme)
+        state = expected
+
+
+@pytest.mark.parametrize("scheme_name", ["kivi", "saw64-rotv"])
+def test_store_kernel_takes_strided_key_and_value(gen, kernel_device, scheme_name):
+    """vLLM hands key/value as views into the fused qkv projection output: token stride != heads * 128."""
+    scheme = SCHEMES[scheme_name]
+    batch = make_paged_batch(gen, [(0, 130), (5, 3)], num_q_heads=2, num_kv_heads=2, block_size=128,
+                             dtype=torch.float16, device=kernel_device, num_padding=1)
+    qkv = torch.randn(batch.key.shape[0], 8, HEAD_DIM, generator=gen).to(kernel_device, torch.float16)
+    qkv[:, 4:6], qkv[:, 6:8] = batch.key, batch.value
+    key, value = qkv[:, 4:6], qkv[:, 6:8]
+    assert not key.is_contiguous()
+    before = cache_with_prefix(batch, scheme, gen, kernel_device)
+    actual, expected = before.clone(), before.clone()
+    store_kv(key, value, actual, batch.slot_mapping, scheme)
+    ref.store_kv(batch.key, batch.value, expected, batch.slot_mapping, scheme)
+    assert_caches_match(actual, expected, before, batch.slot_mapping, scheme)
+
+
+@pytest.mark.parametrize("scheme_name", ["kivi", "saw128"])
+def test_store_kernel_marks_nonfinite_tokens_with_a_nan_scale(gen, kernel_device, scheme_name):
+    scheme = SCHEMES[scheme_name]
+    num_heads = 2
+    key = random_keys(gen, 6, num_heads, torch.float16, kernel_device)
+    value = random_keys(gen, 6, num_heads, torch.float16, kernel_device)
+    key[1, 0, 3] = float("inf")
+    value[4, 1, 100] = float("nan")
+    slots = torch.tensor([5, 6, 7, 300, 301, 302], device=kernel_device)
+    before = poisoned_cache(4, num_heads, 128, gen, kernel_device)
+    actual, expected = before.clone(), before.clone()
+    store_kv(key, value, actual, slots, scheme)
+    ref.store_kv(key, value, expected, slots, scheme)
+    assert_caches_match(actual, expected, before, slots, scheme)
+    pages = ref.PageViews(actual)
+    assert torch.isnan(pages.k_params[0, 0, 6, 0]) and torch.isfinite(pages.k_params[0, 1, 6, 0])
+    assert torch.isnan(pages.v_params[2, 1, 45, 0]) and torch.isfinite(pages.v_params[2, 0, 45, 0])
+
+
+def test_store_kernel_all_padding_changes_nothing(gen, kernel_device):
+    key = torch.full((5, 2, HEAD_DIM), float("nan"), dtype=torch.float16, device=kernel_device)
+    cache = poisoned_cache(3, 2, 128, gen, kernel_device)
+    before = cache.clone()
+    for scheme in (SCHEMES["kivi"], SCHEMES["saw32-rotv"]):
+        store_kv(key, key, cache, torch.full((5,), -1, device=kernel_device), scheme)
+        store_kv(key[:0], key[:0], cache, torch.zeros(0, dtype=torch.long, device=kernel_device), scheme)
+    assert torch.equal(cache, before)
