@@ -22,13 +22,10 @@ import time
 from pathlib import Path
 
 from . import bench_report
-from .bench_matrix import FORMATS, WORKLOADS, EngineSettings, engine_groups, parse_names
+from .bench_matrix import FORMATS, WORKLOADS, EngineSettings, engine_groups, expected_engine_s, parse_names
 from .bench_plot import render_svg
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "configs" / "qwen2.5-7b-instruct.json"
-# An engine needs about a minute to start (torch.compile + CUDA graphs for a 7B shape): with less
-# budget than this left, starting one only burns device time.
-MIN_ENGINE_BUDGET_S = 120
 ENGINE_MODULE = "s4kv.runtime.bench_engine"  # the tests swap in a stand-in engine
 
 
@@ -44,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="folder for results.json, table.md, plot.svg and engine logs")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="wall-clock budget for all engines; engines that would start with less than "
-                             f"{MIN_ENGINE_BUDGET_S} s left are skipped (recorded as 'skipped')")
+                        help="wall-clock budget for all engines: an engine whose start plus workloads (at the "
+                             "slowest speed measured so far) would not fit in what is left is skipped, not started")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS_JSON",
                         help="run nothing: merge results.json files of earlier calls into one table and plot")
     parser.add_argument("--dry-run", action="store_true", help="print the engines that would run, then stop")
@@ -64,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     plan = [(fmt, settings, names) for settings, names in engine_groups(workloads) for fmt in formats]
     for fmt, settings, names in plan:
-        print(f"[bench] plan: {fmt:10s} {settings.key:18s} {','.join(names)}")
+        print(f"[bench] plan: {fmt:10s} {settings.key:18s} {','.join(names):12s} up to {expected_engine_s(fmt, names):.0f} s")
     if args.dry_run:
         return 0
 
@@ -76,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.budget_s if args.budget_s else None
     for fmt, settings, names in plan:
         left = deadline - time.monotonic() if deadline else None
-        if left is not None and left < MIN_ENGINE_BUDGET_S:
-            record = {"status": "skipped", "error": f"time budget: {left:.0f} s left"}
+        if left is not None and left < expected_engine_s(fmt, names):
+            record = {"status": "skipped",
+                      "error": f"time budget: {left:.0f} s left, this engine may need {expected_engine_s(fmt, names):.0f} s"}
         else:
             record = run_engine(fmt, settings, names, model_dir, args.load_format, vocab_size, args.out, left)
         record = {"format": fmt, "engine": settings.as_dict(), "workloads": names, **record}

@@ -29,6 +29,7 @@ import math
 import time
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -147,125 +148,140 @@ def copy_bandwidth_gbps() -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
-class Caches:
-    """The four paged caches of one (batch, context) config, filled with the same random K/V."""
+@dataclass
+class DecodeProblem:
+    """One decode step of `batch` sequences of `context` tokens; the K/V of token t of every sequence
+    is row t % len(kv_pool) of the shared random pool, whatever cache format stores it."""
 
-    def __init__(self, batch: int, context: int, generator: torch.Generator, kv_pool: torch.Tensor):
-        from vllm.v1.attention.ops.int4_per_token_head import reshape_and_cache_int4
+    batch: int
+    context: int
+    query: torch.Tensor  # [batch, Hq, D]
+    kv_pool: torch.Tensor  # [2, pool_tokens, Hkv, D], same dtype as query
 
-        from s4kv.kernels.layout import cache_shape
-        from s4kv.kernels.scheme import Int4Scheme
-        from s4kv.kernels.store import store_kv
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
 
-        self.batch, self.context = batch, context
-        small_pages = math.ceil(context / VLLM_BLOCK_SIZE)
-        big_pages = math.ceil(context / S4KV_BLOCK_SIZE)
-        self.table_small = shuffled_block_table(batch, small_pages, generator).cuda()
-        self.table_big = shuffled_block_table(batch, big_pages, generator).cuda()
-        n_small, n_big = batch * small_pages, batch * big_pages
-        # vLLM's logical (blocks, kv heads, block, content) cache is physically NHD: (blocks, block, kv heads, content)
-        self.bf16 = torch.empty(n_small, VLLM_BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        self.int4 = torch.empty(n_small, VLLM_BLOCK_SIZE, NUM_KV_HEADS, 136, dtype=torch.uint8, device="cuda")
-        self.int4_k, self.int4_v = self.int4.split(68, dim=-1)
-        as_f32 = self.int4.view(torch.float32)  # 34 floats per (slot, head): K scale at byte 64, V scale at 132
-        self.int4_k_scale, self.int4_v_scale = as_f32[..., 16], as_f32[..., 33]
-        self.schemes = {"s4kv_kivi": Int4Scheme.parse({"scheme": "int4_kivi"}),
-                        "s4kv_saw": Int4Scheme.parse({"scheme": "int4_saw"})}
-        self.s4kv = {name: torch.empty(cache_shape(n_big, NUM_KV_HEADS, S4KV_BLOCK_SIZE), dtype=torch.uint8,
-                                       device="cuda") for name in self.schemes}
-        seqs_per_chunk = max(1, FILL_CHUNK_TOKENS // context)
-        for first in range(0, batch, seqs_per_chunk):
-            seqs = torch.arange(first, min(batch, first + seqs_per_chunk), device="cuda")
-            n = len(seqs) * context
-            seq_ids = seqs.repeat_interleave(context)
-            positions = torch.arange(context, device="cuda").repeat(len(seqs))
-            key, value = kv_pool[0, :n], kv_pool[1, :n]
-            small = slots_for(self.table_small, seq_ids, positions, VLLM_BLOCK_SIZE)
-            self.bf16.view(-1, NUM_KV_HEADS, 2 * HEAD_DIM)[small] = torch.cat([key, value], dim=-1)
-            reshape_and_cache_int4(key, value, self.int4_k, self.int4_v, small,
-                                   k_scale_cache=self.int4_k_scale, v_scale_cache=self.int4_v_scale)
-            big = slots_for(self.table_big, seq_ids, positions, S4KV_BLOCK_SIZE)
-            for name, scheme in self.schemes.items():
-                store_kv(key, value, self.s4kv[name], big, scheme)
-        torch.cuda.synchronize()
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return torch.full((self.batch,), self.context, dtype=torch.int32, device=self.device)
 
-    def gib(self) -> float:
-        tensors = [self.bf16, self.int4, *self.s4kv.values()]
-        return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        return torch.arange(self.batch + 1, dtype=torch.int32, device=self.device)
+
+    def chunks(self, block_table: torch.Tensor, block_size: int):
+        """(key, value, slot_mapping) pieces covering every cached token, a bounded number of tokens at a time."""
+        seqs_per_chunk = max(1, min(FILL_CHUNK_TOKENS, self.kv_pool.shape[1]) // self.context)
+        positions = torch.arange(self.context, device=self.device)
+        for first in range(0, self.batch, seqs_per_chunk):
+            seqs = torch.arange(first, min(self.batch, first + seqs_per_chunk), device=self.device)
+            n = len(seqs) * self.context
+            slots = slots_for(block_table, seqs.repeat_interleave(self.context), positions.repeat(len(seqs)),
+                              block_size)
+            yield self.kv_pool[0, :n], self.kv_pool[1, :n], slots
 
 
-def decode_calls(caches: Caches, query: torch.Tensor) -> dict:
-    """method -> (zero-argument call that writes its output, output tensor)."""
-    from vllm.v1.attention.ops.int4_per_token_head import unified_attention_int4
+def build_fa3(problem: DecodeProblem, block_table: torch.Tensor, out: torch.Tensor):
+    """bf16 paged cache (vLLM's NHD layout, K and V halves of one tensor) read by FA3 as FLASH_ATTN does."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
 
-    from s4kv.kernels.attention import SplitWorkspace, paged_attention
-
-    batch, context = caches.batch, caches.context
-    scale = HEAD_DIM ** -0.5
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    outs = {m: torch.full_like(query, float("nan")) for m in METHODS}  # poisoned: every element must be written
-    calls = {}
-
-    fa3_meta = get_scheduler_metadata(
-        batch_size=batch, max_seqlen_q=1, max_seqlen_k=context, num_heads_q=NUM_Q_HEADS,
-        num_heads_kv=NUM_KV_HEADS, headdim=HEAD_DIM, cache_seqlens=seq_lens, qkv_dtype=torch.bfloat16,
+    cache = torch.empty(block_table.numel(), VLLM_BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_DIM, dtype=problem.query.dtype,
+                        device=problem.device)
+    for key, value, slots in problem.chunks(block_table, VLLM_BLOCK_SIZE):
+        cache.view(-1, NUM_KV_HEADS, 2 * HEAD_DIM)[slots] = torch.cat([key, value], dim=-1)
+    key_cache, value_cache = cache.split(HEAD_DIM, dim=-1)
+    seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
+    metadata = get_scheduler_metadata(
+        batch_size=problem.batch, max_seqlen_q=1, max_seqlen_k=problem.context, num_heads_q=NUM_Q_HEADS,
+        num_heads_kv=NUM_KV_HEADS, headdim=HEAD_DIM, cache_seqlens=seq_lens, qkv_dtype=problem.query.dtype,
         cu_seqlens_q=cu_q, page_size=VLLM_BLOCK_SIZE, causal=True, window_size=(-1, -1), num_splits=FA3_MAX_SPLITS)
-    k_bf16, v_bf16 = caches.bf16.split(HEAD_DIM, dim=-1)
-    calls["fa3_bf16"] = lambda: flash_attn_varlen_func(
-        q=query, k=k_bf16, v=v_bf16, out=outs["fa3_bf16"], cu_seqlens_q=cu_q, max_seqlen_q=1,
-        seqused_k=seq_lens, max_seqlen_k=context, softmax_scale=scale, causal=True, window_size=[-1, -1],
-        block_table=caches.table_small, softcap=0.0, scheduler_metadata=fa3_meta, fa_version=3,
+    return lambda: flash_attn_varlen_func(
+        q=problem.query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1,
+        seqused_k=seq_lens, max_seqlen_k=problem.context, softmax_scale=HEAD_DIM ** -0.5, causal=True,
+        window_size=[-1, -1], block_table=block_table, softcap=0.0, scheduler_metadata=metadata, fa_version=3,
         num_splits=FA3_MAX_SPLITS)
 
-    segm = dict(
-        softmax_segm_output=torch.empty(VLLM_SEQ_THRESHOLD_3D, NUM_Q_HEADS, VLLM_SOFTMAX_SEGMENTS, HEAD_DIM,
-                                        dtype=torch.float32, device="cuda"),
-        softmax_segm_max=torch.empty(VLLM_SEQ_THRESHOLD_3D, NUM_Q_HEADS, VLLM_SOFTMAX_SEGMENTS,
-                                     dtype=torch.float32, device="cuda"),
-        softmax_segm_expsum=torch.empty(VLLM_SEQ_THRESHOLD_3D, NUM_Q_HEADS, VLLM_SOFTMAX_SEGMENTS,
-                                        dtype=torch.float32, device="cuda"))
-    calls["vllm_int4"] = lambda: unified_attention_int4(
-        q=query, k_cache=caches.int4_k, v_cache=caches.int4_v, out=outs["vllm_int4"], cu_seqlens_q=cu_q,
-        max_seqlen_q=1, seqused_k=seq_lens, max_seqlen_k=context, softmax_scale=scale, window_size=(-1, -1),
-        block_table=caches.table_small, softcap=0.0, sinks=None, alibi_slopes=None, use_alibi_sqrt=False,
-        qq_bias=None, output_scale=None, mm_prefix_range=None, k_scale_cache=caches.int4_k_scale,
-        v_scale_cache=caches.int4_v_scale, seq_threshold_3D=VLLM_SEQ_THRESHOLD_3D,
-        num_par_softmax_segments=VLLM_SOFTMAX_SEGMENTS, **segm)
 
-    workspace = SplitWorkspace.allocate(batch, NUM_Q_HEADS, "cuda")
-    for name, scheme in caches.schemes.items():
-        rotation = scheme.rotation("cuda")
-        calls[name] = (lambda name=name, scheme=scheme, rotation=rotation: paged_attention(
-            query, caches.s4kv[name], caches.table_big, seq_lens, cu_q, 1, scale, scheme, rotation, outs[name],
-            workspace=workspace))
-    return {m: (calls[m], outs[m]) for m in METHODS}
+def build_vllm_int4(problem: DecodeProblem, block_table: torch.Tensor, out: torch.Tensor):
+    """vLLM's int4_per_token_head cache and attention, laid out and called as TritonAttentionImpl does."""
+    from vllm.v1.attention.ops.int4_per_token_head import reshape_and_cache_int4, unified_attention_int4
+
+    # physical (blocks, block, kv heads, 136): [K codes 64 | K fp32 scale | V codes 64 | V fp32 scale]
+    cache = torch.empty(block_table.numel(), VLLM_BLOCK_SIZE, NUM_KV_HEADS, 136, dtype=torch.uint8,
+                        device=problem.device)
+    key_cache, value_cache = cache.split(68, dim=-1)
+    as_f32 = cache.view(torch.float32)
+    k_scale, v_scale = as_f32[..., 16], as_f32[..., 33]  # bytes 64 and 132
+    for key, value, slots in problem.chunks(block_table, VLLM_BLOCK_SIZE):
+        reshape_and_cache_int4(key, value, key_cache, value_cache, slots, k_scale_cache=k_scale, v_scale_cache=v_scale)
+    segments = (VLLM_SEQ_THRESHOLD_3D, NUM_Q_HEADS, VLLM_SOFTMAX_SEGMENTS)
+    buffers = dict(
+        softmax_segm_output=torch.empty(*segments, HEAD_DIM, dtype=torch.float32, device=problem.device),
+        softmax_segm_max=torch.empty(*segments, dtype=torch.float32, device=problem.device),
+        softmax_segm_expsum=torch.empty(*segments, dtype=torch.float32, device=problem.device))
+    seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
+    return lambda: unified_attention_int4(
+        q=problem.query, k_cache=key_cache, v_cache=value_cache, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1,
+        seqused_k=seq_lens, max_seqlen_k=problem.context, softmax_scale=HEAD_DIM ** -0.5, window_size=(-1, -1),
+        block_table=block_table, softcap=0.0, sinks=None, alibi_slopes=None, use_alibi_sqrt=False, qq_bias=None,
+        output_scale=None, mm_prefix_range=None, k_scale_cache=k_scale, v_scale_cache=v_scale,
+        seq_threshold_3D=VLLM_SEQ_THRESHOLD_3D, num_par_softmax_segments=VLLM_SOFTMAX_SEGMENTS, **buffers)
+
+
+def build_s4kv(scheme_name: str, problem: DecodeProblem, block_table: torch.Tensor, out: torch.Tensor):
+    """Our cache filled by our store kernel, read by our paged attention."""
+    from s4kv.kernels.attention import SplitWorkspace, paged_attention
+    from s4kv.kernels.layout import cache_shape
+    from s4kv.kernels.scheme import Int4Scheme
+    from s4kv.kernels.store import store_kv
+
+    scheme = Int4Scheme.parse({"scheme": scheme_name})
+    cache = torch.empty(cache_shape(block_table.numel(), NUM_KV_HEADS, S4KV_BLOCK_SIZE), dtype=torch.uint8,
+                        device=problem.device)
+    for key, value, slots in problem.chunks(block_table, S4KV_BLOCK_SIZE):
+        store_kv(key, value, cache, slots, scheme)
+    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, problem.device)  # as our backend's builder does
+    seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
+    return lambda: paged_attention(problem.query, cache, block_table, seq_lens, cu_q, 1, HEAD_DIM ** -0.5, scheme,
+                                   out, workspace=workspace)
+
+
+# method -> (page size, builder(problem, block_table, out) -> call that writes out); FA3 first: the reference
+DECODE_METHODS = {
+    "fa3_bf16": (VLLM_BLOCK_SIZE, build_fa3),
+    "vllm_int4": (VLLM_BLOCK_SIZE, build_vllm_int4),
+    "s4kv_kivi": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_kivi")),
+    "s4kv_saw": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_saw")),
+}
 
 
 def bench_decode(batch: int, context: int, generator: torch.Generator, kv_pool: torch.Tensor) -> list[Timing]:
-    caches = Caches(batch, context, generator, kv_pool)
-    print(f"  batch {batch} context {context}: caches {caches.gib():.1f} GiB", flush=True)
-    query = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    timings = []
-    reference = None
-    for method, (call, out) in decode_calls(caches, query).items():
+    """Each method in turn (its cache alone in memory): fill, time, check against FA3's output."""
+    query = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=kv_pool.dtype, device=kv_pool.device)
+    problem = DecodeProblem(batch, context, query, kv_pool)
+    tables = {size: shuffled_block_table(batch, math.ceil(context / size), generator).to(kv_pool.device)
+              for size in (VLLM_BLOCK_SIZE, S4KV_BLOCK_SIZE)}
+    timings, reference = [], None
+    for method, (block_size, build) in DECODE_METHODS.items():
         nbytes = decode_bytes(batch, context, FORMAT_OF[method])
+        out = torch.full_like(query, float("nan"))  # poisoned: every element must be written
         try:
-            ms = median_ms(call)
+            ms = median_ms(build(problem, tables[block_size], out))
             if not torch.isfinite(out).all():
                 raise RuntimeError("output has NaN/inf (unwritten or broken)")
+            err = None if reference is None else float((out.float() - reference).norm() / reference.norm())
             if method == "fa3_bf16":
                 reference = out.float()
-            err = None if reference is None else float((out.float() - reference).norm() / reference.norm())
             if err is not None and err > SANITY_MAX_REL_ERR:
-                raise RuntimeError(f"output differs from FA3 by {err:.3f} (relative): kernel broken?")
+                raise RuntimeError(f"output differs from FA3's by {err:.3f} (relative): kernel broken?")
             timings.append(Timing(method, batch, context, ms, nbytes, err))
         except Exception as exc:  # one broken method must not hide the others' numbers
             traceback.print_exc()
             timings.append(Timing(method, batch, context, None, nbytes, error=f"{type(exc).__name__}: {exc}"))
-    del caches
-    torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # the method's cache died with its call: keep peak memory to one format
+    line = ", ".join(f"{t.method} {t.ms * 1e3:,.0f} us" if t.ms else f"{t.method} failed" for t in timings)
+    print(f"  batch {batch:3d} context {context:6d}: {line}", flush=True)
     return timings
 
 
@@ -286,17 +302,16 @@ def bench_store(generator: torch.Generator) -> list[Timing]:
                        dtype=torch.uint8, device="cuda")
     timings = []
     for tokens, contiguous in ((256, False), (8192, True)):
-        if contiguous:
-            slots = torch.randperm(total_tokens // S4KV_BLOCK_SIZE, generator=generator)[:tokens // S4KV_BLOCK_SIZE]
-            slots = (slots[:, None] * S4KV_BLOCK_SIZE + torch.arange(S4KV_BLOCK_SIZE)).flatten()
+        if contiguous:  # whole pages, as a prefill chunk fills them
+            pages = torch.randperm(total_tokens // S4KV_BLOCK_SIZE, generator=generator)[:tokens // S4KV_BLOCK_SIZE]
+            slots = (pages[:, None] * S4KV_BLOCK_SIZE + torch.arange(S4KV_BLOCK_SIZE)).flatten()
         else:
             slots = torch.randperm(total_tokens, generator=generator)[:tokens]
         slots = slots.cuda()
         key = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         value = torch.randn_like(key)
         calls = {"vllm_int4": lambda: reshape_and_cache_int4(key, value, int4_k, int4_v, slots,
-                                                             k_scale_cache=int4_k_scale,
-                                                             v_scale_cache=int4_v_scale)}
+                                                             k_scale_cache=int4_k_scale, v_scale_cache=int4_v_scale)}
         for name in ("int4_kivi", "int4_saw"):
             scheme = Int4Scheme.parse({"scheme": name})
             calls[f"s4kv_{name[5:]}"] = lambda scheme=scheme: store_kv(key, value, ours, slots, scheme)
@@ -330,8 +345,7 @@ def main() -> int:
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps()
     print(f"device-to-device copy: {copy_gbps:,.0f} GB/s", flush=True)
-    largest = max(batches) * max(contexts)
-    pool_tokens = min(largest, FILL_CHUNK_TOKENS)
+    pool_tokens = min(max(batches) * max(contexts), FILL_CHUNK_TOKENS)
     kv_pool = torch.randn(2, pool_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
 
     decode: list[Timing] = []
