@@ -38,8 +38,10 @@ class LaunchConfig:
     num_stages: int
 
 
-DECODE_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
-PREFILL_LAUNCH = LaunchConfig(tile=32, num_warps=4, num_stages=2)
+# measured on the H200 by tools/tune_attention.py (docs/tuning-log.md)
+DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3),
+                 "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=3)}
+PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -310,7 +312,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     decode = max_query_len == 1
     if decode:
         block_m = max(16, triton.next_power_of_2(group))
-        block_q, launch = 1, launch or DECODE_LAUNCH
+        block_q, launch = 1, launch or DECODE_LAUNCH[scheme.name]
     else:
         block_m = max(64, triton.next_power_of_2(group))
         block_q, launch = block_m // group, launch or PREFILL_LAUNCH
