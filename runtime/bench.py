@@ -125,13 +125,16 @@ def run_engine(fmt: str, settings: EngineSettings, workloads: list[str], model_d
     text = log_path.read_text(errors="replace")
     payload = bench_report.parse_engine_result(text)
     record = {"kv_cache_tokens": bench_report.parse_kv_cache_tokens(text), "log": str(log_path)}
-    if error or payload is None:
-        tail = "\n".join(text.splitlines()[-15:])
-        return {**record, "status": "failed", "error": f"{error or 'no result line'}; log tail:\n{tail}"}
+    # A printed result stands even if the process then failed to shut down cleanly: the numbers were taken.
+    if payload is None:
+        lines = [line for line in text.splitlines() if line.strip()]
+        last = lines[-1].strip() if lines else "empty log"
+        tail = "\n".join(lines[-15:])
+        return {**record, "status": "failed", "error": f"{error or 'no result line'}: {last}\nlog tail:\n{tail}"}
     if record["kv_cache_tokens"] is None:
         return {**record, "status": "failed", "error": "no 'GPU KV cache size' line in the engine log"}
     return {**record, "status": "ok", "startup_s": payload["startup_s"], "gpu": payload["gpu"],
-            "vllm": payload["vllm"], "results": payload["workloads"]}
+            "vllm": payload["vllm"], "results": payload["workloads"], "exit": error or "clean"}
 
 
 def _end_group(proc: subprocess.Popen) -> None:

@@ -9,6 +9,7 @@ numbers. The result is one stdout line, ``RESULT_PREFIX`` + JSON; the parent rea
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -68,7 +69,7 @@ def warm_up(llm, vocab_size: int) -> None:
     llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), use_tqdm=False)
 
 
-def main(spec_path: str) -> int:
+def main(spec_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     fmt = FORMATS[spec["format"]]
     workloads = [WORKLOADS[name] for name in spec["workloads"]]
@@ -101,10 +102,13 @@ def main(spec_path: str) -> int:
         "workloads": results,
     }
     print(RESULT_PREFIX + json.dumps(payload), flush=True)
-    return 0
+    # Leave without vLLM's interpreter-exit teardown, which can stall: the parent takes down the engine
+    # core with this process group and waits until it is gone before the next engine starts.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m s4kv.runtime.bench_engine SPEC.json")
-    sys.exit(main(sys.argv[1]))
+    main(sys.argv[1])

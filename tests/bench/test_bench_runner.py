@@ -133,6 +133,15 @@ def test_timeout_takes_down_the_whole_engine_process_group(tmp_path, stand_in):
         os.kill(grandchild, 0)
 
 
+def test_result_printed_before_a_stalled_shutdown_still_counts(tmp_path, stand_in):
+    stand_in(FAKE_ENGINE + "\nimport time\ntime.sleep(120)\n", "stalling_engine")
+    model_dir = bench.prepare_model(bench.DEFAULT_MODEL, tmp_path / "model")
+    record = bench.run_engine("s4kv_kivi", WORKLOADS["short"].engine, ["short"], model_dir, "dummy", 152064,
+                              tmp_path, timeout=3)
+    assert record["status"] == "ok" and record["exit"].startswith("timed out")
+    assert record["kv_cache_tokens"] == 7_694_464 and record["results"]["short"]["output_tok_s"] == 1100
+
+
 def test_missing_model_config_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="not found"):
         bench.prepare_model(tmp_path / "nope.json", tmp_path / "model")
