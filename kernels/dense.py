@@ -1,0 +1,128 @@
+"""Gather the K/V of prefill sequences into a dense bf16/fp16 buffer for FlashAttention (Triton).
+
+Prefill is compute-bound: FlashAttention on tensor cores beats any int4-reading kernel there, so the backend
+hands a prefill chunk to FA over ``[cached prefix dequantized from int4 | the chunk's fresh K/V]``. Only the
+prefix comes from the cache (in the original, un-rotated space); the new tokens are copied exactly, as vLLM's
+own FA path sees them. The buffer is varlen: sequence i occupies rows ``cu_seqlens_k[i] : cu_seqlens_k[i + 1]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import KIVI_BLOCK_SIZE, PageLayout
+from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
+from .triton_common import rotate_halves
+
+TILE = 64
+
+
+@triton.jit
+def _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params):
+    ch = tl.arange(0, 64)
+    s_lo = tl.load(cache_f16_ptr + k_params + ch * 2).to(tl.float32)[None, :]
+    m_lo = tl.load(cache_f16_ptr + k_params + ch * 2 + 1).to(tl.float32)[None, :]
+    s_hi = tl.load(cache_f16_ptr + k_params + 128 + ch * 2).to(tl.float32)[None, :]
+    m_hi = tl.load(cache_f16_ptr + k_params + 128 + ch * 2 + 1).to(tl.float32)[None, :]
+    return k_lo * s_lo + m_lo, k_hi * s_hi + m_hi
+
+
+@triton.jit
+def _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK: tl.constexpr):
+    """Per-token dequantization, then back from the rotated space (R is its own inverse)."""
+    s_t = tl.load(cache_f16_ptr + k_params + offset * 2, mask=cached, other=0.0).to(tl.float32)[:, None]
+    m_t = tl.load(cache_f16_ptr + k_params + offset * 2 + 1, mask=cached, other=0.0).to(tl.float32)[:, None]
+    return rotate_halves(k_lo * s_t + m_t, k_hi * s_t + m_t, HADAMARD_BLOCK)
+
+
+@triton.jit
+def _gather_dense_kernel(
+    key_ptr, value_ptr, cache_u8_ptr, cache_f16_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    cu_seqlens_k_ptr, dense_k_ptr, dense_v_ptr,
+    key_stride_t, key_stride_h, value_stride_t, value_stride_h, dense_stride_t, dense_stride_h,
+    block_table_stride, stride_block, stride_head,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IS_KIVI: tl.constexpr, HADAMARD_BLOCK: tl.constexpr,
+    ROTATE_V: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if tile * TILE < seq_len:
+        q_start = tl.load(query_start_loc_ptr + seq)
+        prefix = seq_len - (tl.load(query_start_loc_ptr + seq + 1) - q_start)
+        pos = tile * TILE + tl.arange(0, TILE)
+        cached = pos < prefix
+        fresh = (pos >= prefix) & (pos < seq_len)
+        ch = tl.arange(0, 64)
+        logical_block = tile * TILE // BLOCK_SIZE
+        physical = tl.load(block_table_ptr + seq * block_table_stride + logical_block).to(tl.int64)
+        page = physical * stride_block + head * stride_head
+        offset = (tile * TILE) % BLOCK_SIZE + tl.arange(0, TILE)
+
+        k_bytes = tl.load(cache_u8_ptr + page + offset[:, None] * 64 + ch[None, :], mask=cached[:, None], other=0)
+        k_lo = (k_bytes & 15).to(tl.float32)
+        k_hi = (k_bytes >> 4).to(tl.float32)
+        k_params = (page + 132 * BLOCK_SIZE) // 2
+        if IS_KIVI:
+            if (logical_block + 1) * BLOCK_SIZE <= seq_len:
+                k_lo, k_hi = _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params)
+            else:
+                k_lo, k_hi = _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK)
+        else:
+            k_lo, k_hi = _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK)
+
+        v_bytes = tl.load(cache_u8_ptr + page + 64 * BLOCK_SIZE + offset[:, None] * 64 + ch[None, :],
+                          mask=cached[:, None], other=0)
+        v_params = (page + 128 * BLOCK_SIZE) // 2 + offset * 2
+        s_v = tl.load(cache_f16_ptr + v_params, mask=cached, other=0.0).to(tl.float32)[:, None]
+        m_v = tl.load(cache_f16_ptr + v_params + 1, mask=cached, other=0.0).to(tl.float32)[:, None]
+        v_lo = (v_bytes & 15).to(tl.float32) * s_v + m_v
+        v_hi = (v_bytes >> 4).to(tl.float32) * s_v + m_v
+        if ROTATE_V:
+            v_lo, v_hi = rotate_halves(v_lo, v_hi, HADAMARD_BLOCK)
+
+        src = (q_start + pos - prefix).to(tl.int64)
+        key_rows = key_ptr + src[:, None] * key_stride_t + head * key_stride_h + ch[None, :]
+        value_rows = value_ptr + src[:, None] * value_stride_t + head * value_stride_h + ch[None, :]
+        k_lo = tl.where(cached[:, None], k_lo, tl.load(key_rows, mask=fresh[:, None], other=0.0).to(tl.float32))
+        k_hi = tl.where(cached[:, None], k_hi, tl.load(key_rows + 64, mask=fresh[:, None], other=0.0).to(tl.float32))
+        v_lo = tl.where(cached[:, None], v_lo, tl.load(value_rows, mask=fresh[:, None], other=0.0).to(tl.float32))
+        v_hi = tl.where(cached[:, None], v_hi, tl.load(value_rows + 64, mask=fresh[:, None], other=0.0).to(tl.float32))
+
+        dst = (tl.load(cu_seqlens_k_ptr + seq) + pos).to(tl.int64)
+        live = (pos < seq_len)[:, None]
+        dense = dst[:, None] * dense_stride_t + head * dense_stride_h + ch[None, :]
+        out_dtype = dense_k_ptr.dtype.element_ty
+        tl.store(dense_k_ptr + dense, k_lo.to(out_dtype), mask=live)
+        tl.store(dense_k_ptr + dense + 64, k_hi.to(out_dtype), mask=live)
+        tl.store(dense_v_ptr + dense, v_lo.to(out_dtype), mask=live)
+        tl.store(dense_v_ptr + dense + 64, v_hi.to(out_dtype), mask=live)
+
+
+def gather_dense_kv(key, value, kv_cache, block_table, seq_lens, query_start_loc, cu_seqlens_k, max_seq_len: int,
+                    scheme: Int4Scheme, dense_k, dense_v) -> None:
+    """Write [prefix from the int4 cache | fresh key/value] of every sequence into dense_k/dense_v [N, Hkv, 128].
+
+    ``query_start_loc[i]`` indexes ``key``/``value`` (absolute rows, so a slice of a larger batch can be passed
+    without re-basing); ``cu_seqlens_k`` ([num_seqs + 1], starts at 0) places each sequence in the dense buffer.
+    """
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = kv_cache.shape[1]
+    block_size = kv_cache.shape[2] // 136
+    PageLayout(block_size)
+    if scheme.is_kivi and block_size != KIVI_BLOCK_SIZE:
+        raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
+    if num_seqs == 0 or max_seq_len == 0:
+        return
+    grid = (num_seqs, triton.cdiv(max_seq_len, TILE), num_kv_heads)
+    _gather_dense_kernel[grid](
+        key, value, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, query_start_loc, cu_seqlens_k,
+        dense_k, dense_v,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), dense_k.stride(0), dense_k.stride(1),
+        block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        BLOCK_SIZE=block_size, TILE=TILE, IS_KIVI=scheme.is_kivi,
+        HADAMARD_BLOCK=KIVI_STAGING_BLOCK if scheme.is_kivi else scheme.hadamard_block, ROTATE_V=scheme.rotate_values,
+    )
