@@ -26,7 +26,6 @@ from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
 from .triton_common import rotate_halves
 
 LOG2E = 1.4426950408889634
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @dataclass(frozen=True)
@@ -111,13 +110,12 @@ def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_BI
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_u8_ptr, cache_f16_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_acc_ptr, part_ml_ptr, lse_ptr, lse_stride_t, lse_stride_h,
+    part_acc_ptr, part_ml_ptr,
     qk_scale, num_seqs,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_table_stride, stride_block, stride_head,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_KIVI: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, ROTATE_V: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
-    PREFIX_ONLY: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -148,10 +146,7 @@ def _paged_attention_kernel(
         qr_hi = qr_hi.to(dt)
         qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
 
-        if PREFIX_ONLY:
-            kv_end = context  # only the cached prefix; the new tokens attend to themselves elsewhere (FA)
-        else:
-            kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
+        kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
         num_tiles = tl.cdiv(kv_end, TILE)
         tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
         first_tile = split * tiles_per_split
@@ -204,12 +199,9 @@ def _paged_attention_kernel(
         token = (q_start + q_tok).to(tl.int64)
         if NUM_SPLITS == 1:
             out_rows = out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + ch[None, :]
-            inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None]  # an empty prefix gives 0 with lse -inf
+            inv_l = 1.0 / l_i[:, None]
             tl.store(out_rows, (acc_lo * inv_l).to(out_ptr.dtype.element_ty), mask=row_live[:, None])
             tl.store(out_rows + 64, (acc_hi * inv_l).to(out_ptr.dtype.element_ty), mask=row_live[:, None])
-            if PREFIX_ONLY:
-                lse = (m_i + tl.log2(l_i)) * LN2
-                tl.store(lse_ptr + token * lse_stride_t + head * lse_stride_h, lse, mask=row_live)
         else:
             # decode: one token per sequence; partials indexed by (sequence, query head, split)
             part = ((seq * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split).to(tl.int64)
@@ -291,14 +283,8 @@ def _code_bias(dtype: torch.dtype) -> dict:
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len: int,
                     softmax_scale: float, scheme: Int4Scheme, out, workspace: SplitWorkspace | None = None,
-                    launch: LaunchConfig | None = None, prefix_lse: torch.Tensor | None = None) -> None:
-    """Causal attention of query [T, Hq, 128] over the int4 paged cache into out [T, Hq, 128].
-
-    With ``prefix_lse`` ([T, Hq] float32, any strides) only the cached prefix is attended (keys before the batch's
-    new tokens; all of them visible to every new token) and the log-sum-exp of each row is written there, so the
-    caller can attend the new tokens to themselves with FlashAttention on the fresh bf16 K/V and merge the two
-    (``merge_attention``). An empty prefix gives out = 0 and lse = -inf.
-    """
+                    launch: LaunchConfig | None = None) -> None:
+    """Causal attention of query [T, Hq, 128] over the int4 paged cache into out [T, Hq, 128]."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
     if head_dim != HEAD_DIM or num_q_heads % num_kv_heads:
@@ -316,8 +302,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     else:
         block_m = max(64, triton.next_power_of_2(group))
         block_q, launch = block_m // group, launch or PREFILL_LAUNCH
-    prefix_only = prefix_lse is not None
-    num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None and not prefix_only) else 1
+    num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None) else 1
     if num_splits > 1 and workspace.num_q_heads != num_q_heads:
         raise ValueError("workspace was allocated for another number of query heads")
     if num_splits > 1 and num_seqs * num_q_heads * num_splits > workspace.part_ml.shape[0]:
@@ -327,14 +312,12 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     _paged_attention_kernel[grid](
         query, out, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, query_start_loc,
         workspace.part_acc if num_splits > 1 else dummy, workspace.part_ml if num_splits > 1 else dummy,
-        prefix_lse if prefix_only else dummy,
-        prefix_lse.stride(0) if prefix_only else 0, prefix_lse.stride(1) if prefix_only else 0,
         softmax_scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=launch.tile, BLOCK_SIZE=block_size,
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=KIVI_STAGING_BLOCK if scheme.is_kivi else scheme.hadamard_block,
-        ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, **_code_bias(query.dtype), PREFIX_ONLY=prefix_only,
+        ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, **_code_bias(query.dtype),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if num_splits > 1:
@@ -343,34 +326,3 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
             NUM_SPLITS=num_splits,
         )
 
-
-@triton.jit
-def _merge_attention_kernel(
-    out_ptr, a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, num_tokens,
-    out_st, out_sh, a_st, a_sh, a_lse_st, a_lse_sh, b_st, b_sh, b_lse_st, b_lse_sh,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    ch = tl.arange(0, 128)
-    lse_a = tl.load(a_lse_ptr + tok * a_lse_st + head * a_lse_sh)
-    lse_b = tl.load(b_lse_ptr + tok * b_lse_st + head * b_lse_sh)
-    top = tl.maximum(lse_a, lse_b)
-    w_a = tl.where(lse_a == float("-inf"), 0.0, tl.exp(lse_a - top))
-    w_b = tl.where(lse_b == float("-inf"), 0.0, tl.exp(lse_b - top))
-    a = tl.load(a_ptr + tok * a_st + head * a_sh + ch).to(tl.float32)
-    b = tl.load(b_ptr + tok * b_st + head * b_sh + ch).to(tl.float32)
-    merged = (a * w_a + b * w_b) / (w_a + w_b)
-    tl.store(out_ptr + tok * out_st + head * out_sh + ch, merged.to(out_ptr.dtype.element_ty))
-
-
-def merge_attention(out, a, a_lse, b, b_lse) -> None:
-    """out = softmax-weighted union of two attentions over disjoint key sets, given each one's output [T, Hq, 128]
-    and natural-log log-sum-exp [T, Hq] (any strides, e.g. FlashAttention's [Hq, T] transposed)."""
-    num_tokens, num_heads, _ = out.shape
-    if num_tokens == 0:
-        return
-    _merge_attention_kernel[(num_tokens, num_heads)](
-        out, a, a_lse, b, b_lse, num_tokens,
-        out.stride(0), out.stride(1), a.stride(0), a.stride(1), a_lse.stride(0), a_lse.stride(1),
-        b.stride(0), b.stride(1), b_lse.stride(0), b_lse.stride(1),
-    )

@@ -1,5 +1,6 @@
-"""Prefill / chunked-prefill attention on the H200: s4kv (fused int4, and int4 prefix + FA3 on the fresh
-tokens + LSE merge) against vLLM's FA3 on a bf16 paged cache. One call, about a minute.
+"""Prefill / chunked-prefill attention on the H200: s4kv (the fused int4 kernel, and the backend's prefill path:
+int4 prefix gathered into a dense bf16 buffer with the fresh tokens, then FA3) against vLLM's FA3 on a bf16
+paged cache. One call, about a minute.
 
 python tools/bench_prefill.py   (needs vLLM 0.26.0's vllm_flash_attn, e.g. from shared/devicekit)
 FLOPs counted: 4 * q_len * (visible keys) * Hq * 128 per sequence (QK^T and PV, causal half on the new part).
@@ -13,7 +14,8 @@ import os
 import torch
 import triton
 
-from s4kv.kernels.attention import merge_attention, paged_attention
+from s4kv.kernels.attention import paged_attention
+from s4kv.kernels.dense import gather_dense_kv
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
 
@@ -65,7 +67,6 @@ def main():
         pages = -(-ctx // 128)
         bt = torch.randperm(n * pages, device=dev).view(n, pages).int()
         slots = (bt[:, pos // 128].long() * 128 + pos % 128).reshape(-1)
-        cu_new = cu_q
         for name in ("int4_kivi", "int4_saw"):
             scheme = Int4Scheme(name)
             cache = torch.empty(n * pages, HKV, 128 * 136, dtype=torch.uint8, device=dev)
@@ -73,19 +74,19 @@ def main():
             fused = lambda: paged_attention(q, cache, bt, seq_lens, cu_q, q_len, SCALE, scheme, out)
             timings[f"s4kv_{name}_fused"] = triton.testing.do_bench(fused, warmup=10, rep=50, return_mode="median")
             err_fused = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
-            prefix_out = torch.empty_like(q)
-            prefix_lse = torch.empty(n * q_len, HQ, device=dev, dtype=torch.float32)
+            dense_k = torch.empty(n * ctx, HKV, D, device=dev, dtype=torch.bfloat16)
+            dense_v = torch.empty_like(dense_k)
+            cu_k = torch.arange(0, n * ctx + 1, ctx, dtype=torch.int32, device=dev)
 
             def split():
-                paged_attention(q, cache, bt, seq_lens, cu_q, q_len, SCALE, scheme, prefix_out, prefix_lse=prefix_lse)
-                suffix, lse = flash_attn_varlen_func(
-                    q=q, k=k_new, v=v_new, cu_seqlens_q=cu_q, max_seqlen_q=q_len, cu_seqlens_k=cu_new,
-                    max_seqlen_k=q_len, softmax_scale=SCALE, causal=True, return_softmax_lse=True, fa_version=3)
-                merge_attention(out, prefix_out, prefix_lse, suffix, lse.t())
+                gather_dense_kv(k_new, v_new, cache, bt, seq_lens, cu_q, cu_k, ctx, scheme, dense_k, dense_v)
+                flash_attn_varlen_func(
+                    q=q, k=dense_k, v=dense_v, out=out, cu_seqlens_q=cu_q, max_seqlen_q=q_len, cu_seqlens_k=cu_k,
+                    max_seqlen_k=ctx, softmax_scale=SCALE, causal=True, fa_version=3)
 
-            timings[f"s4kv_{name}_split"] = triton.testing.do_bench(split, warmup=10, rep=50, return_mode="median")
+            timings[f"s4kv_{name}_dense_fa3"] = triton.testing.do_bench(split, warmup=10, rep=50, return_mode="median")
             err_split = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
-            print(f"  {name}: rel err vs bf16 fused {err_fused:.3f} split {err_split:.3f}", flush=True)
+            print(f"  {name}: rel err vs bf16: fused {err_fused:.3f} dense+fa3 {err_split:.3f}", flush=True)
             del cache
         fl = flops(n, prefix, q_len)
         for method, ms in timings.items():
