@@ -464,3 +464,24 @@ def test_paged_attention_is_plain_attention_over_the_dequantized_cache(gen, sche
     # and the output inherits it (measured 0.15-0.18 here); a misread page or block table gives ~100%
     err = relative_error(out, unquantized_attention(batch, softmax_scale))
     assert err < 0.25, f"{scheme.name}: relative error {err:.3f} against unquantized attention"
+
+
+def test_worked_example_of_docs_format_md():
+    """The addresses and bytes docs/format.md works out by hand for token 261, KV head 1, block table [7, 2, 9]."""
+    channels = torch.arange(HEAD_DIM, dtype=torch.float32)
+    v = (2 * torch.sin(0.7 * channels) + 0.5 * torch.cos(0.13 * channels)).round(decimals=3)
+    cache = torch.zeros(cache_shape(10, 4, 128), dtype=torch.uint8)
+    block_table_row = torch.tensor([7, 2, 9])
+    slot = int(block_table_row[261 // 128]) * 128 + 261 % 128
+    assert slot == 1157
+    value = torch.zeros(1, 4, HEAD_DIM)
+    value[0, 1] = v
+    ref.store_kv(value, value, cache, torch.tensor([slot]), SAW_SCHEMES[0])
+    flat = cache.flatten()
+    region = (9 * 4 + 1) * 17408
+    assert region == 644_096
+    assert flat[region + 16404 : region + 16408].tolist() == [0x43, 0x35, 0xE5, 0xC0]
+    assert int(flat[region + 8512]) == 0xB9
+    _, v_hat = ref.dequantize_sequence(cache, block_table_row, 262, SAW_SCHEMES[0])
+    assert abs(float(v_hat[261, 1, 0]) - 0.5125) < 1e-4 and abs(float(v_hat[261, 1, 64]) - 1.1702) < 1e-4
+    assert abs(float((v_hat[261, 1] - v).abs().max()) - 0.1634) < 1e-4
