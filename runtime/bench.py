@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
 
+    args.out.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(args.model, args.out / "model")
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     doc = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
