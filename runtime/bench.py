@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="folder for results.json, table.md, plot.svg and engine logs")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="wall-clock budget for all engines: an engine whose start plus workloads (at the "
-                             "slowest speed measured so far) would not fit in what is left is skipped, not started")
+                        help="wall-clock budget for all engines: an engine whose start plus workloads (at the speed "
+                             "issue 4 measured for its format, else the slowest) would not fit is skipped, not started")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS_JSON",
                         help="run nothing: merge results.json files of earlier calls into one table and plot")
     parser.add_argument("--dry-run", action="store_true", help="print the engines that would run, then stop")
@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     plan = [(fmt, settings, names) for settings, names in engine_groups(workloads) for fmt in formats]
     for fmt, settings, names in plan:
-        print(f"[bench] plan: {fmt:10s} {settings.key:18s} {','.join(names):12s} up to {expected_engine_s(fmt, names):.0f} s")
+        need = expected_engine_s(fmt, names)
+        print(f"[bench] plan: {fmt:10s} {settings.key:18s} {','.join(names):12s} up to {need:.0f} s")
     if args.dry_run:
         return 0
 
@@ -74,9 +75,9 @@ def run(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.budget_s if args.budget_s else None
     for fmt, settings, names in plan:
         left = deadline - time.monotonic() if deadline else None
-        if left is not None and left < expected_engine_s(fmt, names):
-            record = {"status": "skipped",
-                      "error": f"time budget: {left:.0f} s left, this engine may need {expected_engine_s(fmt, names):.0f} s"}
+        need = expected_engine_s(fmt, names)
+        if left is not None and left < need:
+            record = {"status": "skipped", "error": f"time budget: {left:.0f} s left, the engine may need {need:.0f} s"}
         else:
             record = run_engine(fmt, settings, names, model_dir, args.load_format, vocab_size, args.out, left)
         record = {"format": fmt, "engine": settings.as_dict(), "workloads": names, **record}

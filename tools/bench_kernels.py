@@ -358,8 +358,9 @@ def main() -> int:
             decode += bench_decode(batch, context, generator, kv_pool)
     store = bench_store(generator)
 
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-            "vllm": vllm.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "vllm": vllm.__version__, "date": now,
             "copy_gbps": copy_gbps, "skipped_for_budget": skipped, "seconds": time.monotonic() - start}
     args.out.mkdir(parents=True, exist_ok=True)
     as_dicts = lambda ts: [{**t.__dict__, "gbps": t.gbps} for t in ts]  # noqa: E731
