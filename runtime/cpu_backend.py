@@ -1,0 +1,54 @@
+"""S4 KV on vLLM's CPU platform: the same backend, pages and checks as the CUDA path, with the torch reference
+kernels (kernels/reference.py) in place of the Triton ones.
+
+vLLM's CPU platform ignores --attention-backend and always resolves CPU_ATTN, so the plugin routes CPU_ATTN here
+when (and only when) ``additional_config["s4kv"]`` is given (plugin.py). This is the path the offline demo and CI
+run; it is exact, not fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionCGSupport
+
+from s4kv.kernels import reference
+
+from .backend import S4KVAttentionBackend, S4KVAttentionImpl, S4KVMetadataBuilder
+
+
+class S4KVCpuAttentionBackend(S4KVAttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+
+    @staticmethod
+    def get_name() -> str:
+        # The enum member this class stands in for (vLLM maps get_name() back to AttentionBackendEnum).
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type["S4KVCpuAttentionImpl"]:
+        return S4KVCpuAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["S4KVCpuMetadataBuilder"]:
+        return S4KVCpuMetadataBuilder
+
+
+class S4KVCpuMetadataBuilder(S4KVMetadataBuilder):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER  # no CUDA graphs on the CPU
+
+    def _allocate_workspace(self) -> Any:
+        return None  # the reference attention needs no split-KV buffers
+
+
+class S4KVCpuAttentionImpl(S4KVAttentionImpl):
+    def _load_kernels(self) -> None:
+        self._store_kv = reference.store_kv
+        self._paged_attention = _reference_attention
+
+
+def _reference_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, softmax_scale,
+                         scheme, out, workspace=None) -> None:
+    """kernels.attention.paged_attention's signature over the torch reference (which returns float32)."""
+    out.copy_(reference.paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, scheme))
