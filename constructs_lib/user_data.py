@@ -69,7 +69,7 @@ def user_data(with_install: bool, variables: dict[str, str]) -> str:
         expected |= set(INSTALL_VARIABLES.values())
     if set(variables) != expected:
         raise ValueError(f"user data needs exactly {sorted(expected)}, got {sorted(variables)}")
-    parts = [Fn.sub(env_file_template(with_install), variables), f". {ENV_FILE}\n"]
+    parts = [Fn.sub(env_file_template(with_install), variables), f"# shellcheck source=/dev/null\n. {ENV_FILE}\n"]
     if with_install:
         parts.append(install_script())
     parts.append(script("boot.sh"))

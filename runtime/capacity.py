@@ -178,7 +178,8 @@ def _report(plan_: Plan, model: model_shapes.ModelShape, instance: catalog.Insta
         lines.append(f"{row.kv_format:<10}{row.bytes_per_token:>12}{row.tokens_per_replica:>16}"
                      f"{row.concurrent_requests:>20}{ratio:>9}")
     lines.append(f"vLLM settings for {plan_.scheme}: {' '.join(plan_.vllm_args())}")
-    command = f"vllm serve {model.name}" if plan_.scheme == "bf16" else f"s4kv serve {model.name} --scheme {plan_.scheme}"
+    served = "MODEL" if model.name.endswith(".json") else model.name  # a bare config.json is not servable
+    command = f"vllm serve {served}" if plan_.scheme == "bf16" else f"s4kv serve {served} --scheme {plan_.scheme}"
     lines.append(f"serve with: {command} {' '.join(plan_.vllm_args())}")
     return "\n".join(lines)
 

@@ -150,7 +150,8 @@ def load(model: str) -> ModelShape:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return from_config(json.loads(path.read_text()), name=model)
+        config = json.loads(path.read_text())
+        return from_config(config, name=config.get("_name_or_path") or model)
     if model in PRESETS:
         return from_config(PRESETS[model], name=model)
     cached = _hf_cache_config(model)

@@ -3,8 +3,9 @@ one synthesis), and the committed deploy/*.yaml being exactly a fresh export."""
 
 from __future__ import annotations
 
-import base64
 import json
+import shutil
+import subprocess
 
 import pytest
 import yaml
@@ -112,6 +113,15 @@ def test_user_data_installs_pinned_runtime_and_starts_s4kv_serve(synthesis):
         "Properties"]["UserData"]["Fn::Base64"]["Fn::Join"][1][0]["Fn::Sub"][1]
     assert variables["VllmPipSpec"] == "vllm==0.26.0"
     assert variables["ModelId"] == "Qwen/Qwen2.5-7B-Instruct"
+
+
+def test_user_data_is_valid_bash(serving):
+    _, template = serving
+    text = _user_data_text(template)
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    if shutil.which("shellcheck"):
+        lint = subprocess.run(["shellcheck", "-s", "bash", "-"], input=text, text=True, capture_output=True)
+        assert lint.returncode == 0, lint.stdout
 
 
 def test_dlami_from_public_ssm_parameter_and_marketplace_takes_image_id(synthesis):
