@@ -107,19 +107,16 @@ def from_config(config: dict, name: str = "model") -> ModelShape:
     )
 
 
-def _preset(layers, hidden, heads, kv, inter, vocab, tie, max_pos, head_dim=None) -> dict:
-    config = {
+def _preset(layers, hidden, heads, kv, inter, vocab, tie, max_pos) -> dict:
+    return {
         "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
         "num_key_value_heads": kv, "intermediate_size": inter, "vocab_size": vocab,
         "tie_word_embeddings": tie, "max_position_embeddings": max_pos, "torch_dtype": "bfloat16",
     }
-    if head_dim:
-        config["head_dim"] = head_dim
-    return config
 
 
-# The config.json fields that matter, for models users name most often (values from their model cards'
-# config.json). Anything else: pass the config.json path, or have the model in the local HF cache.
+# The config.json fields that matter, for the model families S4 KV supports (Qwen2.5, Llama-3; values from
+# their config.json files). Anything else: pass the config.json path, or have the model in the local HF cache.
 PRESETS: dict[str, dict] = {
     "Qwen/Qwen2.5-0.5B-Instruct": _preset(24, 896, 14, 2, 4864, 151936, True, 32768),
     "Qwen/Qwen2.5-1.5B-Instruct": _preset(28, 1536, 12, 2, 8960, 151936, True, 32768),
@@ -128,10 +125,8 @@ PRESETS: dict[str, dict] = {
     "Qwen/Qwen2.5-14B-Instruct": _preset(48, 5120, 40, 8, 13824, 152064, False, 32768),
     "Qwen/Qwen2.5-32B-Instruct": _preset(64, 5120, 40, 8, 27648, 152064, False, 32768),
     "Qwen/Qwen2.5-72B-Instruct": _preset(80, 8192, 64, 8, 29568, 152064, False, 32768),
-    "Qwen/Qwen3-8B": _preset(36, 4096, 32, 8, 12288, 151936, False, 40960, head_dim=128),
     "meta-llama/Llama-3.1-8B-Instruct": _preset(32, 4096, 32, 8, 14336, 128256, False, 131072),
     "meta-llama/Llama-3.1-70B-Instruct": _preset(80, 8192, 64, 8, 28672, 128256, False, 131072),
-    "mistralai/Mistral-7B-Instruct-v0.3": _preset(32, 4096, 32, 8, 14336, 32768, False, 32768),
 }
 
 
