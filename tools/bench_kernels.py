@@ -150,8 +150,8 @@ def copy_bandwidth_gbps() -> float:
 
 @dataclass
 class DecodeProblem:
-    """One decode step of `batch` sequences of `context` tokens; the K/V of token t of every sequence
-    is row t % len(kv_pool) of the shared random pool, whatever cache format stores it."""
+    """One decode step of `batch` sequences of `context` tokens. Every cache format stores the same K/V:
+    token t of sequence s is row (s % seqs_per_chunk) * context + t of the random pool (see chunks)."""
 
     batch: int
     context: int
@@ -170,9 +170,13 @@ class DecodeProblem:
     def query_start_loc(self) -> torch.Tensor:
         return torch.arange(self.batch + 1, dtype=torch.int32, device=self.device)
 
+    @property
+    def seqs_per_chunk(self) -> int:
+        return max(1, min(FILL_CHUNK_TOKENS, self.kv_pool.shape[1]) // self.context)
+
     def chunks(self, block_table: torch.Tensor, block_size: int):
         """(key, value, slot_mapping) pieces covering every cached token, a bounded number of tokens at a time."""
-        seqs_per_chunk = max(1, min(FILL_CHUNK_TOKENS, self.kv_pool.shape[1]) // self.context)
+        seqs_per_chunk = self.seqs_per_chunk
         positions = torch.arange(self.context, device=self.device)
         for first in range(0, self.batch, seqs_per_chunk):
             seqs = torch.arange(first, min(self.batch, first + seqs_per_chunk), device=self.device)

@@ -67,3 +67,27 @@ def test_decode_table_reports_gbps_and_speed_vs_fa3(bk):
     assert f"{saw.gbps:,.0f} GB/s, 2.50x" in row
     assert "failed: RuntimeError: illegal memory access |" in row
     assert "copy ceiling 4,300 GB/s" in table
+
+
+def test_fill_chunks_store_every_token_once_with_the_documented_rows(bk, monkeypatch):
+    monkeypatch.setattr(bk, "FILL_CHUNK_TOKENS", 80)  # several chunks: 2 sequences of 37 tokens each
+    batch, context, block = 5, 37, 16
+    pool = torch.randn(2, 80, bk.NUM_KV_HEADS, bk.HEAD_DIM)
+    problem = bk.DecodeProblem(batch, context, torch.randn(batch, bk.NUM_Q_HEADS, bk.HEAD_DIM), pool)
+    assert problem.seqs_per_chunk == 2
+    table = bk.shuffled_block_table(batch, -(-context // block), torch.Generator().manual_seed(7))
+    cache = torch.full((table.numel() * block, bk.NUM_KV_HEADS, bk.HEAD_DIM), float("nan"))
+    written = torch.zeros(table.numel() * block, dtype=torch.int64)
+    for key, value, slots in problem.chunks(table, block):
+        assert key.shape[0] == value.shape[0] == slots.shape[0]
+        cache[slots] = key
+        written[slots] += 1
+    expected_slots = bk.slots_for(table, torch.arange(batch).repeat_interleave(context),
+                                  torch.arange(context).repeat(batch), block)
+    assert written[expected_slots].eq(1).all() and written.sum() == batch * context
+    for s in range(batch):
+        rows = (s % problem.seqs_per_chunk) * context + torch.arange(context)
+        got = cache[bk.slots_for(table, torch.full((context,), s), torch.arange(context), block)]
+        assert torch.equal(got, pool[0, rows])
+    assert torch.equal(problem.seq_lens, torch.full((batch,), context, dtype=torch.int32))
+    assert torch.equal(problem.query_start_loc, torch.arange(batch + 1, dtype=torch.int32))
