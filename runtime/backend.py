@@ -2,8 +2,10 @@
 
 Layout: vLLM sizes an ``int4_per_token_head`` page at ``block_size * num_kv_heads * 136`` bytes; our cache tensor is
 exactly that, ``uint8[num_blocks, num_kv_heads, block_size * 136]`` (kernels/layout.py), physical == logical.
-The store runs in ``do_kv_cache_update`` (before attention, as for TRITON_ATTN), attention reads only the int4
-cache (prefill, chunked prefill and decode alike). The CPU path (cpu_backend.py) reuses the backend, metadata and
+The store runs in ``do_kv_cache_update`` (before attention, as for TRITON_ATTN). Decode tokens read the int4 cache
+directly (memory-bound: 3.8x fewer bytes than bf16). Prefill chunks are compute-bound, so their sequences' K/V
+(int4 prefix dequantized + the chunk's fresh K/V) are gathered into a dense buffer and run through vLLM's own
+FlashAttention (FA3 on Hopper, FA2 elsewhere); the batch is reordered decodes-first to split it. The CPU path (cpu_backend.py) reuses the backend, metadata and
 builder defined here and swaps the kernels for the torch reference.
 """
 
@@ -103,6 +105,22 @@ class S4KVMetadata:
     block_table: torch.Tensor  # [num_seqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
     workspace: Any = None  # kernels.attention.SplitWorkspace on CUDA
+    prefill: "PrefillPlan | None" = None  # set when prefill sequences go through FlashAttention
+
+
+@dataclass
+class PrefillPlan:
+    """The prefill part of a decodes-first batch, for FlashAttention over a dense K/V buffer."""
+
+    num_decodes: int  # sequences [0, num_decodes) are single-token decodes
+    num_decode_tokens: int
+    cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32 from 0, rows of query[num_decode_tokens:]
+    cu_seqlens_k: torch.Tensor  # [num_prefills + 1] int32, rows of dense_k/dense_v
+    max_query_len: int
+    max_seq_len: int
+    dense_k: torch.Tensor  # [sum of prefill seq_lens, Hkv, 128], model dtype
+    dense_v: torch.Tensor
+    fa_version: int | None
 
 
 class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
@@ -110,6 +128,11 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
     # launch depends on max_query_len (decode kernel vs prefill kernel), which is constant only in such batches.
     # Mixed prefill/decode batches run piecewise, attention eager.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Decodes first, then prefills, so the prefill sequences are one contiguous slice of the batch.
+    reorder_batch_threshold: ClassVar[int] = 1
+    # Largest dense K+V buffer (bytes) a prefill batch may take beside the KV cache; a batch needing more (many
+    # long prefixes at once) runs its prefills through the int4 kernel instead: same cache, same numbers, slower.
+    dense_budget_bytes: ClassVar[int] = 512 << 20
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
@@ -138,6 +161,38 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
             workspace=self.workspace,
+            prefill=self._plan_prefill(m) if m.max_query_len > 1 else None,
+        )
+
+    def _plan_prefill(self, m: CommonAttentionMetadata) -> PrefillPlan | None:
+        # Mixed batches run eagerly (piecewise CUDA graphs), so host-side planning is allowed here.
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        if num_prefills == 0:
+            return None
+        seq_lens = (m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens_cpu)
+        seq_lens = seq_lens[num_decodes : m.num_reqs].to(torch.int32)
+        total = int(seq_lens.sum())
+        spec = self.kv_cache_spec
+        dtype = self.vllm_config.model_config.dtype
+        if 2 * total * spec.num_kv_heads * spec.head_size * dtype.itemsize > self.dense_budget_bytes:
+            return None
+        q_starts = m.query_start_loc_cpu[num_decodes : m.num_reqs + 1]
+        cu_k = torch.zeros(num_prefills + 1, dtype=torch.int32)
+        torch.cumsum(seq_lens, 0, out=cu_k[1:])
+        dense_k = torch.empty(total, spec.num_kv_heads, spec.head_size, dtype=dtype, device=self.device)
+        return PrefillPlan(
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            cu_seqlens_q=(q_starts - num_decode_tokens).to(self.device, torch.int32, non_blocking=True),
+            cu_seqlens_k=cu_k.to(self.device, non_blocking=True),
+            max_query_len=int((q_starts[1:] - q_starts[:-1]).max()),
+            max_seq_len=int(seq_lens.max()),
+            dense_k=dense_k,
+            dense_v=torch.empty_like(dense_k),
+            fa_version=get_flash_attn_version(),
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> S4KVMetadata:
@@ -205,6 +260,30 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
         m = attn_metadata
-        self._paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.max_query_len,
-                              self.scale, self.scheme, output, workspace=m.workspace)
+        if m.prefill is None:
+            self._paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.max_query_len,
+                                  self.scale, self.scheme, output, workspace=m.workspace)
+            return output
+        p = m.prefill
+        nd, ndt = p.num_decodes, p.num_decode_tokens
+        if nd:
+            self._paged_attention(query[:ndt], kv_cache, m.block_table[:nd], m.seq_lens[:nd],
+                                  m.query_start_loc[: nd + 1], 1, self.scale, self.scheme, output[:ndt],
+                                  workspace=m.workspace)
+        self._prefill_with_flash_attention(query, key, value, kv_cache, m, output)
         return output
+
+    def _prefill_with_flash_attention(self, query, key, value, kv_cache, m: S4KVMetadata, output) -> None:
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+        from s4kv.kernels.dense import gather_dense_kv
+
+        p = m.prefill
+        nd, ndt, end = p.num_decodes, p.num_decode_tokens, m.num_actual_tokens
+        gather_dense_kv(key, value, kv_cache, m.block_table[nd:], m.seq_lens[nd:], m.query_start_loc[nd:],
+                        p.cu_seqlens_k, p.max_seq_len, self.scheme, p.dense_k, p.dense_v)
+        flash_attn_varlen_func(
+            q=query[ndt:end], k=p.dense_k, v=p.dense_v, out=output[ndt:end], cu_seqlens_q=p.cu_seqlens_q,
+            max_seqlen_q=p.max_query_len, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_k=p.max_seq_len,
+            softmax_scale=self.scale, causal=True, fa_version=p.fa_version,
+        )

@@ -41,6 +41,9 @@ class S4KVCpuMetadataBuilder(S4KVMetadataBuilder):
     def _allocate_workspace(self) -> Any:
         return None  # the reference attention needs no split-KV buffers
 
+    def _plan_prefill(self, m) -> None:
+        return None  # no FlashAttention on the CPU: the reference attends every token from the int4 cache
+
 
 class S4KVCpuAttentionImpl(S4KVAttentionImpl):
     def _load_kernels(self) -> None:
