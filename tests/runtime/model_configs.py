@@ -1,0 +1,75 @@
+"""config.json contents for the accept/reject cases of the plugin tests (published shapes, trimmed to what the
+checks and vLLM's config parsing read). No weights anywhere: every case must be decided from config.json alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28, "vocab_size": 152064,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+    "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False, "hidden_act": "silu",
+}
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "torch_dtype": "bfloat16",
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "hidden_act": "silu", "tie_word_embeddings": False,
+}
+
+# name -> (config.json, words the rejection sentence must contain)
+REJECTED_MODELS = {
+    "head_dim_64": (
+        dict(LLAMA31_8B, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+        ["head_dim 64", "head_dim 128 only"],
+    ),
+    "mla": (
+        {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+         "num_attention_heads": 128, "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536,
+         "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "head_dim": 128, "num_hidden_layers": 61,
+         "vocab_size": 129280},
+        ["multi-head latent attention (MLA)"],
+    ),
+    "sliding_window_mistral": (
+        {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 32,
+         "vocab_size": 32000, "sliding_window": 4096, "rope_theta": 10000.0},
+        ["sliding-window attention"],
+    ),
+    "sliding_window_qwen2": (
+        dict(QWEN25_7B, use_sliding_window=True, sliding_window=4096, max_window_layers=14),
+        ["sliding-window attention"],
+    ),
+    "hybrid": (
+        dict(QWEN25_7B, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", head_dim=128,
+             layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 7),
+        ["hybrid model"],
+    ),
+    "encoder_decoder": (
+        {"architectures": ["BartForConditionalGeneration"], "model_type": "bart", "d_model": 1024,
+         "hidden_size": 1024, "num_attention_heads": 8, "is_encoder_decoder": True, "vocab_size": 50265},
+        ["encoder-decoder model"],
+    ),
+    "llama2_family": (
+        dict(LLAMA31_8B, vocab_size=32000, rope_theta=10000.0, rope_scaling=None, num_key_value_heads=32),
+        ["outside the Qwen2, Qwen2.5 and Llama-3 families", '"allow_unsupported_model": true'],
+    ),
+    "qwen3_family": (
+        dict(QWEN25_7B, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128),
+        ["outside the Qwen2, Qwen2.5 and Llama-3 families"],
+    ),
+}
+ACCEPTED_MODELS = {"qwen2.5-7b": QWEN25_7B, "llama-3.1-8b": LLAMA31_8B}
+
+
+def write_model_dir(root: Path, name: str, config: dict) -> Path:
+    """A model folder holding only config.json (and no weights)."""
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
