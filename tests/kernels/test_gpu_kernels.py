@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from kv_batches import (
     assert_caches_match,
     cache_with_prefix,
+    dense_reference,
     make_paged_batch,
     relative_error,
     unquantized_attention,
@@ -26,6 +27,7 @@ from kv_batches import (
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.attention import SplitWorkspace, paged_attention
+from s4kv.kernels.dense import gather_dense_kv
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
 
@@ -130,6 +132,29 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
                        f"| {kernel_err:.2e} | {quant_err:.3f} | {bf16_err:.1e} | {mismatch:.2%} |")
     assert kernel_err < MAX_KERNEL_ERR[dtype_name], f"kernel vs reference {kernel_err:.2e}"
     assert quant_err < MAX_QUANT_ERR, f"kernel vs unquantized bf16 attention {quant_err:.3f}"
+
+
+@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_dense_prefill_gather_at_real_sizes(request, dtype_name, scheme_name):
+    """Prefill chunks over 2k-6k cached prefixes: the dense buffer is the reference's prefix + the exact chunk."""
+    scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
+    gen = gpu_gen(request)
+    specs = [(2000, 512), (6000, 300), (0, 1024), (4095, 1), (127, 2048)]
+    batch = make_paged_batch(gen, specs, NUM_Q_HEADS, NUM_KV_HEADS, block_size=128, dtype=dtype, device="cuda")
+    cache = cache_with_prefix(batch, scheme, gen, "cuda")
+    store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    cu_seqlens_k = torch.cat([batch.seq_lens.new_zeros(1), batch.seq_lens.cumsum(0)]).int()
+    dense_k = torch.full((int(cu_seqlens_k[-1]), NUM_KV_HEADS, 128), float("nan"), dtype=dtype, device="cuda")
+    dense_v = torch.full_like(dense_k, float("nan"))
+    gather_dense_kv(batch.key, batch.value, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                    cu_seqlens_k, int(batch.seq_lens.max()), scheme, dense_k, dense_v)
+    ks, vs = dense_reference(batch, cache, scheme, range(len(specs)))
+    tol = {"bf16": 1e-2, "fp16": 2e-3}[dtype_name]  # one rounding of the dequantized value to the dense dtype
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        rows = slice(int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1]))
+        torch.testing.assert_close(dense_k[rows].float(), k, rtol=tol, atol=tol, msg=lambda m: f"seq {i} K: {m}")
+        torch.testing.assert_close(dense_v[rows].float(), v, rtol=tol, atol=tol, msg=lambda m: f"seq {i} V: {m}")
 
 
 @pytest.mark.parametrize("scheme_name", ["kivi", "saw64-rotv"])
