@@ -40,7 +40,7 @@ def component_document(vllm_pip_spec: str, s4kv_pip_spec: str) -> str:
 
 class S4kvImagePipeline(Construct):
     def __init__(self, scope: Construct, id: str, *, parent_image: str, build_instance_type: str,
-                 vllm_pip_spec: str, s4kv_pip_spec: str, extra_regions: tuple[str, ...] = ()) -> None:
+                 vllm_pip_spec: str, s4kv_pip_spec: str, regions: tuple[str, ...] = ()) -> None:
         super().__init__(scope, id)
         document = component_document(vllm_pip_spec, s4kv_pip_spec)
         tag = hashlib.sha256(document.encode()).hexdigest()[:10]
@@ -69,7 +69,8 @@ class S4kvImagePipeline(Construct):
             instance_types=[build_instance_type], terminate_instance_on_failure=True,
             instance_metadata_options=imagebuilder.CfnInfrastructureConfiguration.InstanceMetadataOptionsProperty(
                 http_tokens="required", http_put_response_hop_limit=2))
-        regions = [Fn.ref("AWS::Region"), *extra_regions]
+        # The regions that get the AMI: the listed ones (include the build region), else the build region.
+        regions = list(regions) or [Fn.ref("AWS::Region")]
         distribution = imagebuilder.CfnDistributionConfiguration(
             self, "Distribution", name=f"s4kv-ami-{tag}",
             distributions=[imagebuilder.CfnDistributionConfiguration.DistributionProperty(

@@ -41,6 +41,8 @@ class DeploySettings:
         if self.flavour not in FLAVOURS:
             raise ValueError(f"flavour must be one of {', '.join(FLAVOURS)}, got {self.flavour!r}")
         if self.allowed_cidr is not None:
+            if "/" not in self.allowed_cidr:
+                raise ValueError(f"allowedCidr must be a CIDR such as 203.0.113.7/32, got {self.allowed_cidr!r}")
             network = ipaddress.ip_network(self.allowed_cidr, strict=True)  # ValueError names the problem
             if network.version != 4:
                 raise ValueError(f"allowedCidr must be an IPv4 CIDR, got {self.allowed_cidr!r}")

@@ -22,7 +22,7 @@ class AmiBakeryStack(Stack):
                                   description="Instance type of the build (a GPU type the DLAMI supports)")
         images = S4kvImagePipeline(self, "Ami", parent_image=parent.value_as_string,
                                    build_instance_type=build_type.value_as_string, vllm_pip_spec=VLLM_PIP_SPEC,
-                                   s4kv_pip_spec=settings.s4kv_pip_spec, extra_regions=settings.regions)
+                                   s4kv_pip_spec=settings.s4kv_pip_spec, regions=settings.regions)
         CfnOutput(self, "PipelineArn", value=images.pipeline.attr_arn)
         CfnOutput(self, "StartBuildCommand", value=Fn.join("", [
             "aws imagebuilder start-image-pipeline-execution --region ", self.region,

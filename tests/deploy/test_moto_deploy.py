@@ -11,7 +11,6 @@ import os
 import shutil
 import socket
 import subprocess
-import warnings
 
 import pytest
 import yaml
@@ -19,6 +18,7 @@ import yaml
 from deploy_support import REGIONS, REPO
 
 moto_server = pytest.importorskip("moto.server")
+pytestmark = pytest.mark.filterwarnings("ignore:Tried to parse AWS::SecretsManager::Secret")
 boto3 = pytest.importorskip("boto3")
 
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
@@ -60,7 +60,6 @@ class Moto:
 
 @pytest.fixture(scope="module")
 def moto():
-    warnings.filterwarnings("ignore", message="Tried to parse AWS::SecretsManager::Secret")
     server = Moto()
     server.server.start()
     server.amis = {region: server.put_public_dlami_parameter(region) for region in REGIONS}

@@ -1,0 +1,32 @@
+"""The CDK context is validated before anything is synthesized, with errors that name the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+import deploy_support  # noqa: F401  (puts the app's packages on sys.path)
+
+pytest.importorskip("aws_cdk")
+
+from aws_cdk import App  # noqa: E402
+from constructs_lib.settings import DeploySettings  # noqa: E402
+
+
+def test_context_is_read_with_defaults_and_region_list():
+    settings = DeploySettings.from_context(App(context={"regions": "us-east-1, us-west-2", "scheme": "int4_saw"}).node)
+    assert settings.regions == ("us-east-1", "us-west-2")
+    assert settings.scheme == "int4_saw" and settings.model_id == "Qwen/Qwen2.5-7B-Instruct"
+    assert settings.allowed_cidr is None and settings.flavour == "dlami"
+
+
+@pytest.mark.parametrize("context, message", [
+    ({"allowedCidr": "1.2.3.4"}, "203.0.113.7/32"),
+    ({"allowedCidr": "10.0.0.1/8"}, "host bits"),
+    ({"scheme": "int8"}, "int4_kivi"),
+    ({"flavour": "docker"}, "marketplace"),
+    ({"instanceType": "g7.huge"}, "g6.xlarge"),
+    ({"maxModelLen": "0"}, "positive"),
+])
+def test_bad_context_fails_with_a_clear_message(context, message):
+    with pytest.raises(ValueError, match=message):
+        DeploySettings.from_context(App(context=context).node)
