@@ -16,8 +16,17 @@ COLUMNS = [
     ("exact_match", "greedy exact", "{:.0%}"),
     ("mean_first_divergence", "first diverge (mean)", "{:.1f}"),
 ]
+# The torch engine runs torch references (and one emulation), not vLLM's backends: say so in its labels.
+TORCH_LABELS = {"bf16_fa3": "bf16 KV", "fp8_fa3": "fp8 e4m3 KV", "vllm_int4": "int4 per-token + RHT (emulated)",
+                "s4kv_kivi": "s4kv int4_kivi (torch ref)", "s4kv_saw": "s4kv int4_saw (torch ref)"}
 PLOTTED = [("top1_agreement", "top-1 agreement with bf16"), ("perplexity_delta_pct", "perplexity delta (%)"),
            ("mean_kl", "mean KL (nats)"), ("exact_match", "greedy exact match")]
+
+
+def label(name: str, engine: str) -> str:
+    if engine == "torch" and name in TORCH_LABELS:
+        return TORCH_LABELS[name]
+    return FORMATS[name].label if name in FORMATS else name
 
 
 def _cell(value, fmt: str) -> str:
@@ -35,8 +44,8 @@ def markdown_table(result: dict) -> str:
         lines.append("|---" * (len(COLUMNS) + 1) + "|")
         for name, per_regime in result["formats"].items():
             metrics = per_regime[regime]
-            label = FORMATS[name].label if name in FORMATS else name
-            lines.append(f"| {label} | " + " | ".join(_cell(metrics.get(key), fmt) for key, _, fmt in COLUMNS) + " |")
+            cells = [_cell(metrics.get(key), fmt) for key, _, fmt in COLUMNS]
+            lines.append(f"| {label(name, result['engine'])} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -55,13 +64,28 @@ def plot(result: dict, path: Path) -> None:
         for i, name in enumerate(formats):
             values = [result["formats"][name][r].get(key) or 0.0 for r in regimes]
             ax.bar([x + i * width for x in range(len(regimes))], values, width,
-                   label=FORMATS[name].label if name in FORMATS else name, color=COLORS.get(name))
+                   label=label(name, result["engine"]), color=COLORS.get(name))
         ax.set_xticks([x + width * (len(formats) - 1) / 2 for x in range(len(regimes))], regimes)
         ax.set_title(title, fontsize=10)
-        if key == "mean_kl":
-            ax.set_yscale("symlog", linthresh=1e-4)
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
     axes[0].legend(fontsize=7, loc="lower left")
     fig.suptitle(f"{result['model_name']}: KV formats against bf16 KV ({result['engine']} engine)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m s4kv.runtime.eval_report RESULT.json...``: the tables for docs/quality.md, with their commands."""
+    import json
+
+    for path in argv:
+        result = json.loads(Path(path).read_text())
+        print(f"Command: `{result['command']}` ({result['engine']} engine, top-{result['top_k']} log-probs)\n")
+        print(markdown_table(result))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -5,25 +5,14 @@ The real run is on the H200 (tools/device_train.sh); this catches a broken scrip
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import lzma
-import sys
 import tarfile
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+from quality_helpers import heldout_texts, load_tool
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +21,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     corpus = tmp / "corpus"
     corpus.mkdir()
-    docs = [json.loads(line)["text"] for line in (REPO / "data/eval/heldout.jsonl").read_text().splitlines()]
+    docs = heldout_texts()
     with lzma.open(corpus / "train.txt.xz", "wt", encoding="utf-8") as f:
         for doc in docs:
             f.write(doc + "\n" + build_corpus.DOC_SEPARATOR + "\n")
@@ -54,7 +43,8 @@ def test_each_model_comes_back_as_one_tar_with_a_loadable_checkpoint(trained, tm
         with tarfile.open(out / f"{spec.name}.tar") as tar:
             tar.extractall(tmp_path, filter="data")
         folder = tmp_path / spec.name
-        assert {"config.json", "model.safetensors", "tokenizer.json", "MODEL_CARD.md"} <= {p.name for p in folder.iterdir()}
+        files = {p.name for p in folder.iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json", "MODEL_CARD.md"} <= files
         config = AutoConfig.from_pretrained(folder)
         assert config.architectures == [spec.architecture]
         assert (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) == 128

@@ -1,0 +1,55 @@
+"""Shared helpers of the quality tests (imported by conftest.py and the test modules)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+HELDOUT = REPO / "data" / "eval" / "heldout.jsonl"
+REFERENCE_MODELS = ["s4kv-ref-qwen2", "s4kv-ref-llama3"]
+
+
+def load_tool(name: str):
+    """Import tools/<name>.py (the tools folder is not a package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def heldout_texts() -> list[str]:
+    return [json.loads(line)["text"] for line in HELDOUT.read_text().splitlines()]
+
+
+def save_tiny(config, tokenizer_file: Path, folder: Path) -> Path:
+    """A random model saved with a tokenizer. Plain random weights give near-uniform attention and next-token
+    distributions that hide any KV error, so queries/keys and the final norm are scaled up to sharpen both."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(2.0)
+            layer.self_attn.k_proj.weight.mul_(2.0)
+        model.model.norm.weight.mul_(10.0)
+    model.save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), bos_token="<|endoftext|>",
+                            eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+def committed_model(name: str) -> Path:
+    folder = REPO / "models" / name
+    if not (folder / "config.json").exists():
+        pytest.skip(f"models/{name} is not committed yet (trained on the H200 by tools/device_train.sh)")
+    return folder

@@ -1,0 +1,41 @@
+"""The vLLM path of `s4kv eval` (worker process, prompt_logprobs parsing, greedy) on vLLM's CPU engine.
+
+The same token ids go through vLLM (bf16 weights and KV) and through the torch engine (float32, K/V rounded
+to bf16): teacher-forced records must agree up to bf16 arithmetic, which checks that the worker reads vLLM's
+prompt log-probs at the right positions and in rank order. Starting the CPU engine takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+import numpy as np
+import pytest
+from quality_helpers import heldout_texts
+
+from s4kv.runtime.eval_data import Regime, build_inputs
+from s4kv.runtime.eval_torch import TORCH_FORMATS, load_model, run_format
+from s4kv.runtime.evaluate import compare, vllm_records
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the CPU vLLM engine (setup_env.sh)"),
+]
+
+
+@pytest.mark.parametrize("tiny_model", ["qwen2"], indirect=True)  # the worker is model-agnostic; one start is enough
+def test_vllm_records_match_the_torch_engine(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    regimes = [Regime("short", 3, 64, 2, 16, 6)]
+    inputs = build_inputs(AutoTokenizer.from_pretrained(tiny_model), heldout_texts(), regimes)
+    args = argparse.Namespace(top_k=5, gpu_memory_utilization=0.5, enforce_eager=True)
+    from_vllm = vllm_records(args, str(tiny_model), "bf16_fa3", inputs, 512, tmp_path)
+    from_torch = run_format(load_model(str(tiny_model)), inputs, TORCH_FORMATS["bf16_fa3"], top_k=5)
+    vllm_tf, torch_tf = from_vllm["short"][0], from_torch["short"][0]
+    assert vllm_tf.top_ids.shape == (3, 63, 5) and from_vllm["short"][1].tokens.shape == (2, 6)
+    assert np.all(np.diff(vllm_tf.top_logprobs, axis=-1) <= 0)  # best first
+    np.testing.assert_allclose(vllm_tf.target_logprobs, torch_tf.target_logprobs, atol=0.15)
+    metrics = compare(from_torch, from_vllm)["short"]
+    assert metrics["top1_agreement"] > 0.9 and metrics["mean_kl"] < 0.01, metrics

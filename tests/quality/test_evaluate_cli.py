@@ -1,0 +1,40 @@
+"""`s4kv eval MODEL --engine torch` end to end: arguments, JSON, plot and table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from s4kv.runtime.cli import main
+
+SMALL = ["--short-windows", "2", "--short-len", "48", "--short-prompts", "2", "--short-prompt-len", "8",
+         "--short-generate", "4", "--long-windows", "1", "--long-len", "160", "--long-prompts", "1",
+         "--long-generate", "6", "--top-k", "5"]
+
+
+def test_eval_writes_json_plot_and_table(tiny_model, tmp_path, capsys):
+    assert main(["eval", str(tiny_model), "--engine", "torch", "--formats", "s4kv_saw,fp8_fa3",
+                 "--out-dir", str(tmp_path), *SMALL]) == 0
+    name = tiny_model.name
+    result = json.loads((tmp_path / f"{name}-torch.json").read_text())
+    assert list(result["formats"]) == ["bf16_fa3", "s4kv_saw", "fp8_fa3"]  # the reference always runs first
+    assert result["regimes"]["long"]["prompt_len"] == 160 - 6
+    for regime, windows, length in (("short", 2, 48), ("long", 1, 160)):
+        assert result["formats"]["bf16_fa3"][regime]["positions"] == windows * (length - 1)
+        assert result["formats"]["bf16_fa3"][regime]["mean_kl"] == 0.0
+        assert len(result["formats"]["s4kv_saw"][regime]["first_divergence"]) == result["regimes"][regime]["prompts"]
+    assert result["command"].startswith("s4kv ")
+    assert (tmp_path / f"{name}-torch.png").read_bytes()[:4] == b"\x89PNG"
+    table = capsys.readouterr().out
+    assert "| s4kv int4_saw (torch ref) |" in table and "long context" in table
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--formats", "int3"], "unknown KV format"),
+    (["--long-len", "4096"], "exceeds the model's max_position_embeddings"),
+    (["--long-len", "100", "--long-generate", "100"], "leaves no prompt"),
+])
+def test_bad_arguments_fail_with_a_clear_message(tiny_model, tmp_path, bad, message):
+    with pytest.raises(ValueError, match=message):
+        main(["eval", str(tiny_model), "--engine", "torch", "--out-dir", str(tmp_path), *SMALL, *bad])
