@@ -2,12 +2,14 @@
 
 Context keys: modelId, instanceType, scheme (int4_kivi | int4_saw | bf16), allowedCidr (optional:
 becomes the AllowedCidr parameter's default; the exported templates never have one), regions
-(comma separated: one stack per region), flavour (dlami | marketplace), maxModelLen, s4kvPipSpec.
+(comma separated: one stack per region), flavour (dlami | marketplace), maxModelLen, s4kvPipSpec,
+modelConfig (a config.json path to size a model that is neither built in nor in the local HF cache).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 
 from s4kv.runtime import catalog
@@ -21,6 +23,7 @@ DEFAULT_MAX_MODEL_LEN = 32768
 # wheel URL instead (docs/deploy.md): -c s4kvPipSpec=git+https://HOST/ORG/s4kv@COMMIT
 DEFAULT_S4KV_PIP_SPEC = "s4kv==0.1.0"
 VLLM_PIP_SPEC = "vllm==0.26.0"
+MODEL_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?$")  # a Hugging Face id, as vllm serve takes it
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,17 @@ class DeploySettings:
     flavour: str = "dlami"
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     s4kv_pip_spec: str = DEFAULT_S4KV_PIP_SPEC
+    model_config: str | None = None
+
+    @property
+    def model_source(self) -> str:
+        """What sizes the model (runtime/model_shapes.py): its config.json if given, else its id."""
+        return self.model_config or self.model_id
 
     def __post_init__(self) -> None:
+        if not MODEL_ID_PATTERN.match(self.model_id) or self.model_id.endswith(".json"):
+            raise ValueError(f"modelId must be a Hugging Face model id such as Qwen/Qwen2.5-7B-Instruct, got "
+                             f"{self.model_id!r} (size a local config.json with -c modelConfig=PATH)")
         catalog.instance_type(self.instance_type)  # raises with the list of known types
         if self.scheme not in SCHEME_FORMAT:
             raise ValueError(f"scheme must be one of {', '.join(SCHEME_FORMAT)}, got {self.scheme!r}")
@@ -66,4 +78,5 @@ class DeploySettings:
             flavour=get("flavour", "dlami"),
             max_model_len=int(get("maxModelLen", DEFAULT_MAX_MODEL_LEN)),
             s4kv_pip_spec=get("s4kvPipSpec", DEFAULT_S4KV_PIP_SPEC),
+            model_config=get("modelConfig"),
         )

@@ -32,7 +32,7 @@ SCHEMES = ["int4_kivi", "int4_saw", "bf16"]
 class GpuServingStack(Stack):
     def __init__(self, scope: Construct, id: str, *, settings: DeploySettings, **kwargs) -> None:
         super().__init__(scope, id, **kwargs)
-        plans = serving_plan.plans_for(settings.model_id, settings.max_model_len)
+        plans = serving_plan.plans_for(settings.model_source, settings.max_model_len)
         if settings.instance_type not in plans:
             raise ValueError(f"{settings.model_id} does not fit on {settings.instance_type}; "
                              f"it fits on: {', '.join(plans)}")

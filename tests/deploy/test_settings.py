@@ -12,6 +12,18 @@ from aws_cdk import App  # noqa: E402
 from constructs_lib.settings import DeploySettings  # noqa: E402
 
 
+def test_model_config_sizes_a_model_the_app_does_not_know():
+    from constructs_lib import serving_plan
+    from deploy_support import REPO
+
+    settings = DeploySettings.from_context(App(context={
+        "modelId": "my-org/my-qwen-finetune", "modelConfig": str(REPO / "configs" / "qwen2.5-7b-instruct.json")}).node)
+    assert settings.model_source.endswith("qwen2.5-7b-instruct.json")
+    plans = serving_plan.plans_for(settings.model_source, settings.max_model_len)
+    assert serving_plan.mapping(plans) == serving_plan.mapping(
+        serving_plan.plans_for("Qwen/Qwen2.5-7B-Instruct", settings.max_model_len))
+
+
 def test_context_is_read_with_defaults_and_region_list():
     settings = DeploySettings.from_context(App(context={"regions": "us-east-1, us-west-2", "scheme": "int4_saw"}).node)
     assert settings.regions == ("us-east-1", "us-west-2")
@@ -26,6 +38,8 @@ def test_context_is_read_with_defaults_and_region_list():
     ({"flavour": "docker"}, "marketplace"),
     ({"instanceType": "g7.huge"}, "g6.xlarge"),
     ({"maxModelLen": "0"}, "positive"),
+    ({"modelId": "configs/qwen2.5-7b-instruct.json"}, "modelConfig"),
+    ({"modelId": "Qwen/Qwen 2.5'; rm -rf /"}, "Hugging Face model id"),
 ])
 def test_bad_context_fails_with_a_clear_message(context, message):
     with pytest.raises(ValueError, match=message):
