@@ -160,3 +160,36 @@ def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, specs, 
     paged_attention(query, cache, block_table, seq_lens, query_start_loc, batch.max_query_len, SOFTMAX_SCALE,
                     scheme, out, workspace=workspace)
     assert_attention_close(out[:num_tokens], expected, "padded batch")
+
+
+@pytest.mark.xfail(strict=True, reason="reported to the lead: a tile of 64 tokens is read from one page, so pages "
+                   "smaller than a tile (int4_saw block_size 16/32) give NaN instead of an answer or a clear error")
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_pages_smaller_than_a_tile_are_read_right_or_rejected(gen, kernel_device, block_size):
+    """int4_saw pages of any multiple of 16 are stored fine; attention must read them right or refuse them."""
+    scheme = SCHEMES["saw128"]
+    batch = make_paged_batch(gen, [(100, 5), (40, 1)], 4, 2, block_size=block_size, dtype=torch.float16,
+                             device=kernel_device)
+    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    try:
+        out = run_kernel(batch, cache, scheme)
+    except ValueError as error:
+        assert "block_size" in str(error)
+        return
+    assert_attention_close(out, run_reference(batch, cache, scheme), f"block_size {block_size}")
+
+
+def test_bad_inputs_get_clear_errors(gen, kernel_device):
+    query = torch.zeros(2, 6, 128, dtype=torch.float16, device=kernel_device)
+    cache = torch.zeros(3, 4, 128 * 136, dtype=torch.uint8, device=kernel_device)
+    args = (torch.zeros(2, 2, dtype=torch.int32, device=kernel_device), torch.ones(2, dtype=torch.int32, device=kernel_device),
+            torch.arange(3, dtype=torch.int32, device=kernel_device), 1, SOFTMAX_SCALE)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        paged_attention(query, cache, *args, SCHEMES["saw128"], torch.empty_like(query))
+    query = torch.zeros(2, 8, 128, dtype=torch.float32, device=kernel_device)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        paged_attention(query, cache, *args, SCHEMES["saw128"], torch.empty_like(query))
+    query = query.half()
+    with pytest.raises(ValueError, match="int4_kivi needs block_size 128"):
+        paged_attention(query, cache[..., : 64 * 136], *args, SCHEMES["kivi"], torch.empty_like(query))

@@ -123,3 +123,14 @@ def test_store_kernel_all_padding_changes_nothing(gen, kernel_device):
         store_kv(key, key, cache, torch.full((5,), -1, device=kernel_device), scheme)
         store_kv(key[:0], key[:0], cache, torch.zeros(0, dtype=torch.long, device=kernel_device), scheme)
     assert torch.equal(cache, before)
+
+
+def test_bad_inputs_get_clear_errors(kernel_device):
+    cache = torch.zeros(3, 2, 64 * 136, dtype=torch.uint8, device=kernel_device)
+    slots = torch.zeros(1, dtype=torch.long, device=kernel_device)
+    key = torch.zeros(1, 2, 64, dtype=torch.float16, device=kernel_device)
+    with pytest.raises(ValueError, match=r"\[T, Hkv, 128\]"):
+        store_kv(key, key, cache, slots, SCHEMES["saw128"])
+    key = torch.zeros(1, 2, HEAD_DIM, dtype=torch.float16, device=kernel_device)
+    with pytest.raises(ValueError, match="int4_kivi needs block_size 128"):
+        store_kv(key, key, cache, slots, SCHEMES["kivi"])
