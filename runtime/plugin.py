@@ -22,7 +22,8 @@ from typing import Any
 
 from s4kv.runtime.config import VLLM_VERSION, S4KVConfigError, check_vllm_config, find_options
 
-logger = logging.getLogger("s4kv.plugin")
+# A child of the "vllm" logger, so vLLM's own log configuration prints our lines in every process.
+logger = logging.getLogger("vllm.s4kv")
 
 GPU_BACKEND = "s4kv.runtime.backend.S4KVAttentionBackend"
 CPU_BACKEND = "s4kv.runtime.cpu_backend.S4KVCpuAttentionBackend"

