@@ -117,12 +117,13 @@ def gather_dense_kv(key, value, kv_cache, block_table, seq_lens, query_start_loc
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
     if num_seqs == 0 or max_seq_len == 0:
         return
-    grid = (num_seqs, triton.cdiv(max_seq_len, TILE), num_kv_heads)
+    tile = min(TILE, block_size)  # a tile never straddles two pages
+    grid = (num_seqs, triton.cdiv(max_seq_len, tile), num_kv_heads)
     _gather_dense_kernel[grid](
         key, value, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, query_start_loc, cu_seqlens_k,
         dense_k, dense_v,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), dense_k.stride(0), dense_k.stride(1),
         block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        BLOCK_SIZE=block_size, TILE=TILE, IS_KIVI=scheme.is_kivi,
+        BLOCK_SIZE=block_size, TILE=tile, IS_KIVI=scheme.is_kivi,
         HADAMARD_BLOCK=KIVI_STAGING_BLOCK if scheme.is_kivi else scheme.hadamard_block, ROTATE_V=scheme.rotate_values,
     )
