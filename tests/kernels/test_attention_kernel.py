@@ -31,8 +31,9 @@ SCHEMES = {
     "saw128-rotv": Int4Scheme("int4_saw", 128, rotate_values=True),
 }
 SOFTMAX_SCALE = 128**-0.5
-# (context, q_len): a fresh prefill, chunks over cached prefixes (one closes a KIVI block), decodes at block edges
-MIXED = [(0, 37), (127, 1), (200, 20), (3, 1), (100, 40), (0, 1), (256, 5)]
+# (context, q_len): a fresh prefill (more than one 64-row query tile even at GQA 1), chunks over cached prefixes (one
+# closes a KIVI block), decodes at block edges
+MIXED = [(0, 70), (127, 1), (200, 20), (3, 1), (100, 40), (0, 1), (256, 5)]
 DECODE = [(0, 1), (126, 1), (127, 1), (300, 1), (5, 1), (383, 1)]
 # fp16 output and fp16 P @ V products against the float32 reference
 MAX_REL_ERR = 1e-2
