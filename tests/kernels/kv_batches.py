@@ -20,6 +20,13 @@ def poisoned_cache(num_blocks: int, num_kv_heads: int, block_size: int, gen: tor
     return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8, device=gen.device).to(device)
 
 
+def with_guard_blocks(cache: torch.Tensor, gen: torch.Generator, num_blocks: int = 4) -> torch.Tensor:
+    """The same cache as a view into a larger poisoned buffer: a kernel that reads past the last page (a bug the
+    test is about to report) reads garbage instead of faulting and taking the whole test run down."""
+    guard = poisoned_cache(num_blocks, cache.shape[1], cache.shape[2] // 136, gen, cache.device)
+    return torch.cat([cache, guard])[: cache.shape[0]]
+
+
 def random_keys(gen: torch.Generator, num_tokens: int, num_heads: int, dtype, device) -> torch.Tensor:
     """Keys shaped like a real model's: a few channels with large magnitude and an offset (KIVI's motivation)."""
     x = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen, device=gen.device)
