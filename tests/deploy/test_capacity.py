@@ -122,3 +122,25 @@ def test_capacity_command_json_and_errors(capsys):
     assert plan["data_parallel"] == 8 and plan["scheme"] == "int4_saw"
     assert capacity.run(Namespace(**{**vars(args), "context": 10**6, "json": False})) == 2
     assert "max_position_embeddings" in capsys.readouterr().out
+
+
+def test_model_found_in_the_local_hugging_face_cache(tmp_path, monkeypatch):
+    snapshot = tmp_path / "models--my-org--tiny" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(QWEN7B_CONFIG.read_text())
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    shape = model_shapes.load("my-org/tiny")
+    assert shape.name == "my-org/tiny" and shape.num_kv_heads == 4 and shape.head_dim == 128
+
+
+def test_config_variants_text_config_moe_and_quantized_weights():
+    base = json.loads(QWEN7B_CONFIG.read_text())
+    nested = model_shapes.from_config({"architectures": ["X"], "text_config": base})
+    assert nested.num_params == model_shapes.from_config(base).num_params
+    moe = model_shapes.from_config({**base, "num_experts": 8, "moe_intermediate_size": 1024})
+    assert moe.num_params - model_shapes.from_config(base).num_params == 28 * (
+        8 * 3 * 3584 * 1024 + 3584 * 8 - 3 * 3584 * 18944)
+    awq = model_shapes.from_config({**base, "quantization_config": {"quant_method": "awq", "bits": 4}})
+    assert awq.weight_bytes == model_shapes.from_config(base).weight_bytes // 4
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        model_shapes.from_config({"hidden_size": 8, "num_attention_heads": 2, "vocab_size": 10})
