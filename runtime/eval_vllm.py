@@ -7,7 +7,7 @@ as an .npz (per regime: top-k ids and log-probs, target log-probs, greedy tokens
 
 Teacher forcing uses ``prompt_logprobs=K``: vLLM returns, for every prompt position after the first, the
 top-K log-probabilities of the next-token distribution (raw logits, before any sampling processing) plus the
-log-probability of the prompt's own next token.
+log-probability of the prompt's own next token (``flat_logprobs``: flat lists, not a dict per position).
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ from .bench_matrix import FORMATS
 
 
 def prompt_records(output, token_ids: list[int], top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(top ids [N, K], top log-probs [N, K], target log-probs [N]) for positions 1..len-1 of one prompt."""
-    positions = list(output.prompt_logprobs)[1:]
-    if len(positions) != len(token_ids) - 1:
-        raise RuntimeError(f"vLLM returned {len(positions)} prompt positions for {len(token_ids)} tokens")
-    ids = np.zeros((len(positions), top_k), dtype=np.int64)
-    lps = np.full((len(positions), top_k), -np.inf, dtype=np.float32)
-    target = np.zeros(len(positions), dtype=np.float32)
-    for n, (position, next_token) in enumerate(zip(positions, token_ids[1:])):
-        ranked = sorted((lp.rank, tok, lp.logprob) for tok, lp in position.items() if lp.rank is not None)
-        top = [(tok, value) for rank, tok, value in ranked if rank <= top_k][:top_k]
-        if len(top) < top_k:
-            raise RuntimeError(f"position {n}: vLLM returned {len(top)} ranked tokens, expected {top_k}")
-        ids[n], lps[n] = [t for t, _ in top], [v for _, v in top]
-        target[n] = position[next_token].logprob
-    return ids, lps, target
+    """(top ids [N, K], top log-probs [N, K], target log-probs [N]) for positions 1..len-1 of one prompt.
+
+    With ``flat_logprobs`` vLLM stores, for each position after the first, the prompt's own next token (with
+    its rank) followed by the top-K tokens in rank order: K + 1 entries, duplicates kept.
+    """
+    flat = output.prompt_logprobs
+    starts, ends = np.asarray(flat.start_indices[1:]), np.asarray(flat.end_indices[1:])
+    if len(starts) != len(token_ids) - 1 or np.any(ends - starts != top_k + 1):
+        raise RuntimeError(f"unexpected prompt log-probs for a {len(token_ids)}-token prompt: {len(starts)} positions, "
+                           f"entries per position {sorted(set((ends - starts).tolist()))} (expected {top_k + 1})")
+    ids, logprobs, ranks = np.asarray(flat.token_ids), np.asarray(flat.logprobs, np.float32), np.asarray(flat.ranks)
+    rows = starts[:, None] + np.arange(top_k + 1)
+    if np.any(ids[rows[:, 0]] != np.asarray(token_ids[1:])) or np.any(ranks[rows[:, 1:]] != np.arange(1, top_k + 1)):
+        raise RuntimeError("vLLM's prompt log-probs are not laid out as (prompt token, top-1 .. top-K)")
+    return ids[rows[:, 1:]], logprobs[rows[:, 1:]], logprobs[rows[:, 0]]
 
 
 def run(spec: dict) -> None:
@@ -46,7 +46,8 @@ def run(spec: dict) -> None:
     top_k = spec["top_k"]
     llm = LLM(model=spec["model"], dtype="bfloat16", seed=0, max_logprobs=top_k, enable_prefix_caching=False,
               **spec["engine"], **fmt.engine_kwargs())
-    scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False)
+    scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False,
+                             flat_logprobs=True)
     arrays: dict[str, np.ndarray] = {}
     for regime in spec["regimes"]:
         name, windows, prompts = regime["name"], regime["windows"], regime["prompts"]

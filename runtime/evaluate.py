@@ -62,7 +62,8 @@ def regimes_from(args, max_len: int) -> list[Regime]:
     return [
         Regime("short", args.short_windows, args.short_len, args.short_prompts, args.short_prompt_len,
                args.short_generate),
-        Regime("long", args.long_windows, long_len, args.long_prompts, long_len - args.long_generate,
+        # vLLM samples one token after a scored prompt, so a teacher-forced window leaves room for it
+        Regime("long", args.long_windows, long_len - 1, args.long_prompts, long_len - args.long_generate,
                args.long_generate),
     ]
 

@@ -5,6 +5,7 @@
 #
 # Needs .corpus/ from `python tools/build_corpus.py` (git-ignored; about 30 MB, so do not carry .vlb too).
 # The machine's own torch 2.11 + transformers 5.17 + tokenizers are used; no vLLM, no install.
+# SECONDS_PER_MODEL (default 190) sets the budget; TRAIN_ARGS adds train_reference.py options.
 # Comes back in $OUT: s4kv-ref-qwen2.tar, s4kv-ref-llama3.tar, train_log.txt. Then, here:
 #   for t in <files_at>/*.tar; do tar -xf "$t" -C models/; done
 set -euo pipefail
@@ -15,6 +16,7 @@ cd "$(dirname "$0")/.."
 site=/tmp/s4kv-path/s4kv
 mkdir -p "$site" && ln -sfn "$PWD/runtime" "$site/runtime" && ln -sfn "$PWD/kernels" "$site/kernels"
 export PYTHONPATH=/tmp/s4kv-path PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 tools/train_reference.py --out "$OUT" --seconds-per-model "${SECONDS_PER_MODEL:-190}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+# shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
+python3 tools/train_reference.py --out "$OUT" --seconds-per-model "${SECONDS_PER_MODEL:-190}" ${TRAIN_ARGS:-}
 ls -la "$OUT"

@@ -206,7 +206,7 @@ def train_one(spec: ModelSpec, tokens: torch.Tensor, args, vocab_size: int, sepa
             mean = float(running) / (step - (curve[-1][0] if curve else 0))
             running.zero_()
             curve.append((step, mean))
-            log(f"[{spec.name}] step {step}/{total_steps} loss {mean:.3f} lr {lr:.2e} "
+            log(f"[{spec.name}] step {step}/{total_steps if total_steps < 10**9 else '?'} loss {mean:.3f} lr {lr:.2e} "
                 f"{time.perf_counter() - start:.0f}s")
     seconds = time.perf_counter() - start
     final_loss = heldout_loss(model, windows, args.device)
