@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from .bench_plot import render_svg
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "configs" / "qwen2.5-7b-instruct.json"
 ENGINE_MODULE = "s4kv.runtime.bench_engine"  # the tests swap in a stand-in engine
+EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Interrupt)\b")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,9 +132,11 @@ def run_engine(fmt: str, settings: EngineSettings, workloads: list[str], model_d
     # A printed result stands even if the process then failed to shut down cleanly: the numbers were taken.
     if payload is None:
         lines = [line for line in text.splitlines() if line.strip()]
-        last = lines[-1].strip() if lines else "empty log"
+        # the exception that ended the engine says more than the shutdown noise vLLM prints after it
+        raised = [line for line in lines if EXCEPTION_LINE.match(line)]
+        cause = (raised or lines or ["empty log"])[-1].strip()
         tail = "\n".join(lines[-15:])
-        return {**record, "status": "failed", "error": f"{error or 'no result line'}: {last}\nlog tail:\n{tail}"}
+        return {**record, "status": "failed", "error": f"{error or 'no result line'}: {cause}\nlog tail:\n{tail}"}
     if record["kv_cache_tokens"] is None:
         return {**record, "status": "failed", "error": "no 'GPU KV cache size' line in the engine log"}
     return {**record, "status": "ok", "startup_s": payload["startup_s"], "gpu": payload["gpu"],

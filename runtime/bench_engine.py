@@ -56,17 +56,17 @@ def run_workload(llm, workload: Workload, vocab_size: int) -> dict[str, Any]:
     }
 
 
-def warm_up(llm, vocab_size: int) -> None:
+def warm_up(llm, vocab_size: int, max_model_len: int) -> None:
     """Compile every kernel variant a workload meets (prefill, chunked prefill, decode) before timing."""
+    import numpy as np
     from vllm import SamplingParams
 
-    import numpy as np
-
     rng = np.random.default_rng(12345)
-    lengths = [100, 700, 1500, 3000] * (WARMUP_REQUESTS // 4)
+    new_tokens = 32
+    lengths = [min(n, max_model_len - new_tokens) for n in (100, 700, 1500, 3000)] * (WARMUP_REQUESTS // 4)
     prompts = [{"prompt_token_ids": rng.integers(0, min(vocab_size, FIRST_SPECIAL_TOKEN), n).tolist()}
                for n in lengths]
-    llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
 
 
 def main(spec_path: str) -> None:
@@ -93,11 +93,11 @@ def main(spec_path: str) -> None:
         **fmt.engine_kwargs(),
     )
     startup = time.perf_counter() - start
-    warm_up(llm, vocab_size)
+    warm_up(llm, vocab_size, engine.max_model_len)
     results = {w.name: run_workload(llm, w, vocab_size) for w in workloads}
     payload = {
         "startup_s": startup,
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
         "vllm": vllm.__version__,
         "workloads": results,
     }
