@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import HEAD_DIM, KIVI_BLOCK_SIZE, PageLayout
+from .layout import HEAD_DIM, KIVI_BLOCK_SIZE, PageLayout, tile_tokens
 from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
 from .triton_common import rotate_halves
 
@@ -315,7 +315,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         softmax_scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1),
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=min(launch.tile, block_size), BLOCK_SIZE=block_size,
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile_tokens(block_size, launch.tile), BLOCK_SIZE=block_size,
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=KIVI_STAGING_BLOCK if scheme.is_kivi else scheme.hadamard_block,
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, **_code_bias(query.dtype),
         num_warps=launch.num_warps, num_stages=launch.num_stages,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import KIVI_BLOCK_SIZE, PageLayout
+from .layout import KIVI_BLOCK_SIZE, PageLayout, tile_tokens
 from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
 from .triton_common import rotate_halves
 
@@ -117,7 +117,7 @@ def gather_dense_kv(key, value, kv_cache, block_table, seq_lens, query_start_loc
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
     if num_seqs == 0 or max_seq_len == 0:
         return
-    tile = min(TILE, block_size)  # a tile never straddles two pages
+    tile = tile_tokens(block_size, TILE)
     grid = (num_seqs, triton.cdiv(max_seq_len, tile), num_kv_heads)
     _gather_dense_kernel[grid](
         key, value, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, query_start_loc, cu_seqlens_k,

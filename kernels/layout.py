@@ -56,6 +56,12 @@ class PageLayout:
         return (HEAD_DIM + 4) * self.block_size
 
 
+def tile_tokens(block_size: int, max_tile: int) -> int:
+    """Tokens per kernel tile: a power of two (Triton ranges) that divides the page, so no tile straddles two
+    pages, and at most max_tile. Pages are multiples of 16 tokens, so a tile has at least 16."""
+    return min(block_size & -block_size, max_tile)
+
+
 def cache_shape(num_blocks: int, num_kv_heads: int, block_size: int) -> tuple[int, int, int]:
     """Shape of the uint8 cache tensor vLLM allocates for one layer."""
     return (num_blocks, num_kv_heads, PageLayout(block_size).page_bytes)

@@ -163,11 +163,7 @@ def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, specs, 
     assert_attention_close(out[:num_tokens], expected, "padded batch")
 
 
-@pytest.mark.parametrize("block_size", [16, 32, 64] + [
-    pytest.param(b, marks=pytest.mark.xfail(strict=True, reason="reported to the lead: a page size that is a multiple "
-                 "of 16 but not a power of two fails (48: arange must be a power of 2) or reads wrong (96: NaN)"))
-    for b in (48, 96)
-])
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64, 96])
 def test_any_page_size_is_read_right_or_rejected(gen, kernel_device, block_size):
     """int4_saw pages of any multiple of 16 are stored fine (vLLM uses 128); attention must read them right or
     refuse them with a ValueError that names the block size."""
