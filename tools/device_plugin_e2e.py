@@ -230,8 +230,9 @@ def server_worker(model: str, scheme: str, raw_vllm: bool, out: str) -> dict:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
 
         def chat(question, **kw):
+            settings = {"temperature": 0, "max_tokens": 24, **kw}
             return client.chat.completions.create(model=served, messages=[{"role": "user", "content": question}],
-                                                  temperature=0, max_tokens=24, **kw)
+                                                  **settings)
 
         checks["chat"] = chat(FACTS[0][0]).choices[0].message.content.strip() == FACTS[0][1]
         completion = client.completions.create(model=served, prompt=chat_text(FACTS[1][0]), temperature=0, max_tokens=24)

@@ -16,7 +16,7 @@ from s4kv.runtime.tiny_model import FACTS, chat_text
 
 # A context of several turns followed by a question: 160+ tokens, so a 128-token page closes during prefill.
 LONG_PROMPT = "".join(chat_text(q, a) for q, a in FACTS[:7]) + chat_text(FACTS[9][0])
-MAX_TOKENS = 16
+MAX_TOKENS = 24
 
 
 def engine_kwargs(scheme: str) -> dict:

@@ -52,9 +52,8 @@ def client(server):
 
 
 def chat(client, question: str, **kwargs):
-    return client.chat.completions.create(
-        model=SERVED, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=24, **kwargs
-    )
+    settings = {"temperature": 0, "max_tokens": 24, **kwargs}
+    return client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": question}], **settings)
 
 
 def test_health_models_and_backend(server, client):
