@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from . import bench_report
-from .bench_matrix import FORMATS, WORKLOADS, EngineSettings, engine_groups, expected_engine_s, parse_names
+from .bench_matrix import (FORMATS, WORKLOADS, EngineSettings, Workload, engine_groups, expected_engine_s,
+                           parse_names)
 from .bench_plot import render_svg
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "configs" / "qwen2.5-7b-instruct.json"
@@ -81,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         if left is not None and left < need:
             record = {"status": "skipped", "error": f"time budget: {left:.0f} s left, the engine may need {need:.0f} s"}
         else:
-            record = run_engine(fmt, settings, names, model_dir, args.load_format, vocab_size, args.out, left)
+            record = run_engine(fmt, [WORKLOADS[n] for n in names], model_dir, args.load_format, vocab_size,
+                                args.out, left)
         record = {"format": fmt, "engine": settings.as_dict(), "workloads": names, **record}
         doc["runs"].append(record)
         if record.get("gpu") and "gpu" not in doc["meta"]:
@@ -105,16 +107,16 @@ def prepare_model(model: Path, folder: Path) -> Path:
     return folder
 
 
-def run_engine(fmt: str, settings: EngineSettings, workloads: list[str], model_dir: Path, load_format: str,
-               vocab_size: int, out: Path, timeout: float | None) -> dict:
-    """One engine process (``python -m ENGINE_MODULE SPEC``); returns the run record (status, capacity,
-    results or the error)."""
-    name = f"{fmt}-{settings.key}"
+def run_engine(fmt: str, workloads: list[Workload], model_dir: Path, load_format: str, vocab_size: int, out: Path,
+               timeout: float | None) -> dict:
+    """One engine process (``python -m ENGINE_MODULE SPEC``) for workloads that share one engine setting;
+    returns the run record (status, capacity, results or the error)."""
+    name = f"{fmt}-{workloads[0].engine.key}"
     (out / "logs").mkdir(parents=True, exist_ok=True)
     spec_path = out / "logs" / f"{name}.spec.json"
     log_path = out / "logs" / f"{name}.log"
-    spec_path.write_text(json.dumps({"format": fmt, "workloads": workloads, "model": str(model_dir),
-                                     "load_format": load_format, "vocab_size": vocab_size}))
+    spec_path.write_text(json.dumps({"format": fmt, "workloads": [w.to_spec() for w in workloads],
+                                     "model": str(model_dir), "load_format": load_format, "vocab_size": vocab_size}))
     with open(log_path, "w") as log:
         # Own process group: vLLM starts an engine-core child, which a timeout must take down too.
         proc = subprocess.Popen([sys.executable, "-m", ENGINE_MODULE, str(spec_path)],

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from .bench_matrix import FORMATS, WORKLOADS, Workload
+from .bench_matrix import FORMATS, Workload
 
 RESULT_PREFIX = "S4KV_BENCH_RESULT "
 # First id of Qwen2's special tokens: prompts stay below it so no request looks like a control sequence.
@@ -72,7 +72,7 @@ def warm_up(llm, vocab_size: int, max_model_len: int) -> None:
 def main(spec_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     fmt = FORMATS[spec["format"]]
-    workloads = [WORKLOADS[name] for name in spec["workloads"]]
+    workloads = [Workload.from_spec(w) for w in spec["workloads"]]
     engine = workloads[0].engine
     vocab_size = int(spec["vocab_size"])
 

@@ -83,6 +83,14 @@ class Workload:
     def higher_is_better(self) -> bool:
         return self.metric != "wall_s"
 
+    def to_spec(self) -> dict[str, Any]:
+        """JSON-ready form for the engine process's spec file (the engine runs exactly what it is sent)."""
+        return asdict(self)
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> "Workload":
+        return cls(**{**spec, "engine": EngineSettings(**spec["engine"])})
+
 
 FULL_CARD = EngineSettings(gpu_memory_utilization=0.90, max_num_seqs=256)
 WORKLOADS: dict[str, Workload] = {

@@ -25,7 +25,7 @@ FAKE_ENGINE = textwrap.dedent("""
     speed = {"bf16_fa3": 1.0, "vllm_int4": 0.6, "s4kv_kivi": 1.1}[spec["format"]]
     kv = {"bf16_fa3": 2043840, "vllm_int4": 7694464, "s4kv_kivi": 7694464}[spec["format"]]
     print(f"(EngineCore pid=1) INFO [kv_cache_utils.py:2177] GPU KV cache size: {kv:,} tokens")
-    results = {w: {"wall_s": 10 / speed, "output_tok_s": 1000 * speed, "output_tokens": 1, "total_tok_s": 1}
+    results = {w["name"]: {"wall_s": 10 / speed, "output_tok_s": 1000 * speed, "output_tokens": 1, "total_tok_s": 1}
                for w in spec["workloads"]}
     print("S4KV_BENCH_RESULT " + json.dumps({"startup_s": 1.0, "gpu": "Fake GPU", "vllm": "0.26.0",
                                              "workloads": results}))
@@ -125,8 +125,7 @@ def test_budget_skips_engines_instead_of_starting_them(tmp_path, stand_in):
 def test_timeout_takes_down_the_whole_engine_process_group(tmp_path, stand_in):
     stand_in(HANGING_ENGINE, "hanging_engine")
     model_dir = bench.prepare_model(bench.DEFAULT_MODEL, tmp_path / "model")
-    record = bench.run_engine("bf16_fa3", WORKLOADS["short"].engine, ["short"], model_dir, "dummy", 152064,
-                              tmp_path, timeout=3)
+    record = bench.run_engine("bf16_fa3", [WORKLOADS["short"]], model_dir, "dummy", 152064, tmp_path, timeout=3)
     assert record["status"] == "failed" and "timed out" in record["error"]
     spec = tmp_path / "logs" / f"bf16_fa3-{WORKLOADS['short'].engine.key}.spec.json"
     grandchild = int(Path(str(spec) + ".grandchild").read_text())
@@ -138,8 +137,7 @@ def test_timeout_takes_down_the_whole_engine_process_group(tmp_path, stand_in):
 def test_result_printed_before_a_stalled_shutdown_still_counts(tmp_path, stand_in):
     stand_in(FAKE_ENGINE + "\nimport time\ntime.sleep(120)\n", "stalling_engine")
     model_dir = bench.prepare_model(bench.DEFAULT_MODEL, tmp_path / "model")
-    record = bench.run_engine("s4kv_kivi", WORKLOADS["short"].engine, ["short"], model_dir, "dummy", 152064,
-                              tmp_path, timeout=3)
+    record = bench.run_engine("s4kv_kivi", [WORKLOADS["short"]], model_dir, "dummy", 152064, tmp_path, timeout=3)
     assert record["status"] == "ok" and record["exit"].startswith("timed out")
     assert record["kv_cache_tokens"] == 7_694_464 and record["results"]["short"]["output_tok_s"] == 1100
 
