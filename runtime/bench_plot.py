@@ -31,14 +31,20 @@ def speed_ratios(rows: list[Row]) -> dict[str, dict[str, float]]:
     return speeds
 
 
-def _bars(groups: dict[str, dict[str, float]], formats: list[str], x0: float, fmt_value) -> list[str]:
-    """Grouped vertical bars in a panel whose plotting area starts at x0; returns SVG elements."""
-    top = max((v for g in groups.values() for v in g.values()), default=1.0) * 1.15 or 1.0
+def _bars(groups: dict[str, dict[str, float]], formats: list[str], x0: float, label, reference: float | None = None
+          ) -> list[str]:
+    """Grouped vertical bars in a panel whose plotting area starts at x0, an optional dashed line at `reference`;
+    label(format, value) is the text above a bar. Returns SVG elements."""
+    top = max([v for g in groups.values() for v in g.values()] + [reference or 0.0], default=1.0) * 1.15 or 1.0
     area_h = PANEL_H - 2 * MARGIN
     base_y = TOP + MARGIN + area_h
     group_w = (PANEL_W - MARGIN) / max(len(groups), 1)
     bar_w = group_w * 0.8 / max(len(formats), 1)
     out = [f'<line x1="{x0}" y1="{base_y}" x2="{x0 + PANEL_W - MARGIN}" y2="{base_y}" stroke="black"/>']
+    if reference is not None:
+        y = base_y - area_h * reference / top
+        out.append(f'<line class="reference" x1="{x0}" y1="{y:.1f}" x2="{x0 + PANEL_W - MARGIN}" y2="{y:.1f}" '
+                   f'stroke="gray" stroke-dasharray="4 3"/>')
     for gi, (group, values) in enumerate(groups.items()):
         gx = x0 + gi * group_w + group_w * 0.1
         out.append(f'<text x="{gx + group_w * 0.4:.1f}" y="{base_y + 16}" font-size="11" '
@@ -53,7 +59,7 @@ def _bars(groups: dict[str, dict[str, float]], formats: list[str], x0: float, fm
                        f'x="{x:.1f}" y="{base_y - h:.1f}" width="{bar_w * 0.9:.1f}" height="{h:.1f}" '
                        f'fill="{COLORS.get(fmt, "#777777")}"/>')
             out.append(f'<text x="{x + bar_w * 0.45:.1f}" y="{base_y - h - 3:.1f}" font-size="9" '
-                       f'text-anchor="middle">{escape(fmt_value(value))}</text>')
+                       f'text-anchor="middle">{escape(label(fmt, value))}</text>')
     return out
 
 
@@ -69,11 +75,16 @@ def render_svg(rows: list[Row], title: str) -> str:
              f'<text x="{width / 2}" y="22" font-size="15" text-anchor="middle">{escape(title)}</text>',
              f'<text x="{MARGIN}" y="{TOP + 20}" font-size="12">speed relative to '
              f'{escape(FORMATS["bf16_fa3"].label)} (long: 1 / wall-time ratio)</text>']
-    parts += _bars(speeds, formats, MARGIN, lambda v: f"{v:.2f}x")
+    parts += _bars(speeds, formats, MARGIN, lambda fmt, v: f"{v:.2f}x", reference=1.0)
     if capacity_row:
         x0 = PANEL_W + MARGIN
-        parts.append(f'<text x="{x0}" y="{TOP + 20}" font-size="12">{escape(capacity_row.title)}, millions</text>')
-        parts += _bars(capacity, formats, x0, lambda v: f"{v / 1e6:.2f}M")
+        parts.append(f'<text x="{x0}" y="{TOP + 20}" font-size="12">{escape(capacity_row.title)}</text>')
+
+        def capacity_label(fmt: str, tokens: float) -> str:
+            ratio = capacity_row.cells[fmt].ratio
+            return f"{tokens / 1e6:.2f}M" + (f" ({ratio:.2f}x)" if ratio else "")
+
+        parts += _bars(capacity, formats, x0, capacity_label)
     legend_y = TOP + PANEL_H + 20
     for i, fmt in enumerate(formats):
         y = legend_y + 18 * i

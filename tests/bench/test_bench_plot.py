@@ -50,6 +50,11 @@ def test_svg_has_a_bar_per_value_with_proportional_heights():
     assert float(capacity["vllm_int4"].get("height")) / float(capacity["bf16_fa3"].get("height")) == \
         pytest.approx(7_694_464 / 2_043_840, rel=0.02)
     assert "test plot &lt;H200&gt;" in svg
+    assert "2.04M (1.00x)" in svg and "7.69M (3.76x)" in svg
+    # the dashed 1.0x line sits exactly at the top of the baseline's speed bar
+    line = next(e for e in ET.fromstring(svg).iter(SVG + "line") if e.get("class") == "reference")
+    top_of_bf16 = float(short["bf16_fa3"].get("y"))
+    assert float(line.get("y1")) == pytest.approx(top_of_bf16, abs=0.11)
 
 
 def test_failed_format_has_no_bar_but_stays_in_legend():
