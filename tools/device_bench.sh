@@ -7,18 +7,23 @@
 # Then one device run per line, carry [".vlb"] (a warm machine that has /tmp/site/vllm needs none), timeout_s 600:
 #   bash tools/device_bench.sh kernels                       # decode + store kernels, about 3 minutes
 #   bash tools/device_bench.sh e2e --configs bf16_fa3,s4kv_kivi,s4kv_saw --workloads short,long
-#   bash tools/device_bench.sh e2e --configs bf16_fa3,s4kv_kivi,s4kv_saw --workloads 24gb
-#   bash tools/device_bench.sh e2e --configs bf16_fa3,s4kv_kivi,s4kv_saw --workloads many
+#   bash tools/device_bench.sh kernels e2e --configs bf16_fa3,s4kv_saw --workloads short,long   # both in one call
 # (docs/performance.md has the split of every configuration into 10-minute calls). Anything after `e2e` goes
-# to `s4kv bench`. The e2e runs stop starting engines that would not finish inside LIMIT_S (default 570) of
-# this script's start. Back in $OUT: kernels.json/.md, or results.json, table.md, plot.svg and
+# to `s4kv bench`. Everything shares LIMIT_S (default 570) from this script's start: the kernel benchmark
+# gets at most 300 s of decode configurations, and `s4kv bench` starts no engine that would not finish in
+# what is left. Back in $OUT: kernels.json, kernels.md, kernels.log; results.json, table.md, plot.svg and
 # e2e-logs.tar.gz (every engine's log). Merge the results.json of several calls here with
 #   s4kv bench --merge call1/results.json call2/results.json --out docs/bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must be set (the device call sets it)}"
-mode=${1:?usage: device_bench.sh kernels | e2e [s4kv bench options]}
-shift
+usage="usage: device_bench.sh [kernels] [e2e [s4kv bench options]]"
+[ $# -gt 0 ] || { echo "$usage"; exit 2; }
+run_kernels=0
+if [ "$1" = kernels ]; then run_kernels=1; shift; fi
+run_e2e=0
+if [ "${1:-}" = e2e ]; then run_e2e=1; shift; fi
+[ $# -eq 0 ] || [ "$run_e2e" = 1 ] || { echo "$usage"; exit 2; }
 limit=${LIMIT_S:-570}
 
 if [ ! -f /tmp/site/vllm/__init__.py ]; then
@@ -36,21 +41,17 @@ export PYTHONPATH=/tmp/site:$site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
   PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
 
-case "$mode" in
-  kernels)
-    budget=$((limit - SECONDS - 90))  # decode configs; the store timings and the report come after
-    [ "$budget" -gt 300 ] && budget=300
-    python3 tools/bench_kernels.py --out "$OUT" --budget-s "$budget" 2>&1 | tee "$OUT/kernels.log"
-    ;;
-  e2e)
-    work=/tmp/s4kv-bench
-    rm -rf "$work"
-    status=0
-    python3 -m s4kv.runtime.cli bench --out "$work" --budget-s $((limit - SECONDS)) "$@" || status=$?
-    for f in results.json table.md plot.svg; do [ -f "$work/$f" ] && cp "$work/$f" "$OUT/"; done
-    [ -d "$work/logs" ] && tar -czf "$OUT/e2e-logs.tar.gz" -C "$work" logs
-    exit $status
-    ;;
-  *)
-    echo "unknown mode $mode: use kernels or e2e"; exit 2 ;;
-esac
+status=0
+if [ "$run_kernels" = 1 ]; then
+  budget=$((limit - SECONDS - 90))  # decode configs; the store timings and the report come after
+  [ "$budget" -gt 300 ] && budget=300
+  python3 tools/bench_kernels.py --out "$OUT" --budget-s "$budget" 2>&1 | tee "$OUT/kernels.log" || status=$?
+fi
+if [ "$run_e2e" = 1 ]; then
+  work=/tmp/s4kv-bench
+  rm -rf "$work"
+  python3 -m s4kv.runtime.cli bench --out "$work" --budget-s $((limit - SECONDS)) "$@" || status=$?
+  for f in results.json table.md plot.svg; do [ -f "$work/$f" ] && cp "$work/$f" "$OUT/"; done
+  [ -d "$work/logs" ] && tar -czf "$OUT/e2e-logs.tar.gz" -C "$work" logs
+fi
+exit $status
