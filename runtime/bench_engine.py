@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from .bench_matrix import FORMATS, Workload
@@ -70,7 +71,7 @@ def warm_up(llm, vocab_size: int, max_model_len: int) -> None:
 
 
 def main(spec_path: str) -> None:
-    spec = json.loads(open(spec_path).read())
+    spec = json.loads(Path(spec_path).read_text())
     fmt = FORMATS[spec["format"]]
     workloads = [Workload.from_spec(w) for w in spec["workloads"]]
     engine = workloads[0].engine
