@@ -59,37 +59,41 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 
 
 @triton.jit
-def _biased(nibbles, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr):
-    """CODE_BIAS + code as a 16-bit float, built with integer ops and a bitcast (no int->float conversion):
-    OR-ing a 4-bit code into the mantissa of 128.0 (bf16) or 1024.0 (fp16) adds exactly the code."""
+def _codes_as_float(nibbles, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr):
+    """4-bit codes as exact 16-bit floats without an int->float conversion (the slow path on the SMs): OR the
+    code into the mantissa of CODE_BIAS (128.0 in bf16, 1024.0 in fp16, whose ulp is 1), bitcast, then subtract
+    CODE_BIAS in the same 16-bit type (exact). The bias must come off before the dot: Hopper's tensor cores do
+    not keep full fp32 precision while accumulating, and a 100x bias would magnify that loss (seen: 3% error)."""
     bits = nibbles.to(tl.int16) | CODE_BIAS_BITS
     if IS_BF16:
-        return bits.to(tl.bfloat16, bitcast=True)
+        biased = bits.to(tl.bfloat16, bitcast=True)
+        return biased - tl.full([1, 1], CODE_BIAS, tl.bfloat16)
     else:
-        return bits.to(tl.float16, bitcast=True)
+        biased = bits.to(tl.float16, bitcast=True)
+        return biased - tl.full([1, 1], CODE_BIAS, tl.float16)
 
 
 @triton.jit
-def _load_codes(cache_u8_ptr, page, region, offset, written, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr):
-    """A tile's codes as two [TILE, 64] halves (channels j and j + 64), each CODE_BIAS + code in the query dtype."""
+def _load_codes(cache_u8_ptr, page, region, offset, written, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
+                CODE_BIAS: tl.constexpr):
+    """A tile's codes as two [TILE, 64] halves (channels j and j + 64), exact, in the query dtype."""
     ch = tl.arange(0, 64)
     packed = tl.load(cache_u8_ptr + page + region + offset[:, None] * 64 + ch[None, :], mask=written[:, None], other=0)
-    return _biased(packed & 15, IS_BF16, CODE_BIAS_BITS), _biased(packed >> 4, IS_BF16, CODE_BIAS_BITS)
+    return (_codes_as_float(packed & 15, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
+            _codes_as_float(packed >> 4, IS_BF16, CODE_BIAS_BITS, CODE_BIAS))
 
 
 @triton.jit
-def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
-                      CODE_BIAS: tl.constexpr):
-    """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys.
-    k holds CODE_BIAS + code, so the bias comes off through sum(Q)."""
+def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written):
+    """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys."""
     s_t = tl.load(cache_f16_ptr + k_params + offset * 2, mask=written, other=0.0).to(tl.float32)
     m_t = tl.load(cache_f16_ptr + k_params + offset * 2 + 1, mask=written, other=0.0).to(tl.float32)
     raw = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
-    return raw * s_t[None, :] + q_sum[:, None] * (m_t - CODE_BIAS * s_t)[None, :]
+    return raw * s_t[None, :] + q_sum[:, None] * m_t[None, :]
 
 
 @triton.jit
-def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_BIAS: tl.constexpr):
+def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params):
     """Q K^T for a closed KIVI block (unrotated keys, per-channel params): (Q * scale) . codes + Q . min."""
     ch = tl.arange(0, 64)
     s_lo = tl.load(cache_f16_ptr + k_params + ch * 2).to(tl.float32)[None, :]
@@ -102,7 +106,6 @@ def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_BI
     qs_lo = (q32_lo * s_lo).to(dt)
     qs_hi = (q32_hi * s_hi).to(dt)
     bias = tl.sum(q32_lo * m_lo, 1) + tl.sum(q32_hi * m_hi, 1)
-    bias -= CODE_BIAS * (tl.sum(qs_lo.to(tl.float32), 1) + tl.sum(qs_hi.to(tl.float32), 1))
     raw = tl.dot(qs_lo, tl.trans(k_lo)) + tl.dot(qs_hi, tl.trans(k_hi))
     return raw + bias[:, None]
 
@@ -166,15 +169,15 @@ def _paged_attention_kernel(
             k_pos = start + tl.arange(0, TILE)
             # slots past the sequence end hold stale bytes: never let them reach the P @ V product
             written = k_pos < seq_len
-            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, written, IS_BF16, CODE_BIAS_BITS)
+            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, written, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
             k_params = (page + layout_k_params) // 2
             if IS_KIVI:
                 if (logical_block + 1) * BLOCK_SIZE <= seq_len:
-                    scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_BIAS)
+                    scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params)
                 else:
-                    scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written, CODE_BIAS)
+                    scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
             else:
-                scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written, CODE_BIAS)
+                scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
             visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
             scores = tl.where(visible, scores * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -182,32 +185,36 @@ def _paged_attention_kernel(
             p = tl.exp2(scores - m_ref[:, None])
             alpha = tl.exp2(m_i - m_ref)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, written, IS_BF16, CODE_BIAS_BITS)
+            v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, written, IS_BF16, CODE_BIAS_BITS,
+                                      CODE_BIAS)
             v_params = (page + layout_v_params) // 2 + offset * 2
             sv = tl.load(cache_f16_ptr + v_params, mask=written, other=0.0).to(tl.float32)
             mv = tl.load(cache_f16_ptr + v_params + 1, mask=written, other=0.0).to(tl.float32)
             p_scaled = (p * sv[None, :]).to(dt)
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo)
             acc_hi = acc_hi * alpha[:, None] + tl.dot(p_scaled, v_hi)
-            acc_min = acc_min * alpha + tl.sum(p * mv[None, :], 1) - CODE_BIAS * tl.sum(p_scaled.to(tl.float32), 1)
+            acc_min = acc_min * alpha + tl.sum(p * mv[None, :], 1)
             m_i = m_new
         acc_lo += acc_min[:, None]
         acc_hi += acc_min[:, None]
 
+        # normalized output of this program (0 where it saw no key: an empty split)
+        inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None]
+        o_lo = acc_lo * inv_l
+        o_hi = acc_hi * inv_l
         if ROTATE_V:
-            acc_lo, acc_hi = rotate_halves(acc_lo, acc_hi, HADAMARD_BLOCK)
+            o_lo, o_hi = rotate_halves(o_lo.to(dt), o_hi.to(dt), HADAMARD_BLOCK)
         token = (q_start + q_tok).to(tl.int64)
         if NUM_SPLITS == 1:
             out_rows = out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + ch[None, :]
-            inv_l = 1.0 / l_i[:, None]
-            tl.store(out_rows, (acc_lo * inv_l).to(out_ptr.dtype.element_ty), mask=row_live[:, None])
-            tl.store(out_rows + 64, (acc_hi * inv_l).to(out_ptr.dtype.element_ty), mask=row_live[:, None])
+            tl.store(out_rows, o_lo.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
+            tl.store(out_rows + 64, o_hi.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
         else:
             # decode: one token per sequence; partials indexed by (sequence, query head, split)
             part = ((seq * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split).to(tl.int64)
             acc_rows = part_acc_ptr + part[:, None] * 128 + ch[None, :]
-            tl.store(acc_rows, acc_lo, mask=row_live[:, None])
-            tl.store(acc_rows + 64, acc_hi, mask=row_live[:, None])
+            tl.store(acc_rows, o_lo, mask=row_live[:, None])
+            tl.store(acc_rows + 64, o_hi, mask=row_live[:, None])
             tl.store(part_ml_ptr + part * 2, m_i, mask=row_live)
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_live)
 
@@ -226,11 +233,12 @@ def _merge_splits_kernel(
         m = tl.load(part_ml_ptr + part * 2)
         l = tl.load(part_ml_ptr + part * 2 + 1)
         m_max = tl.max(m, 0)
-        weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+        # each partial is normalized by its own denominator l: weight it by l * exp(m - m_max)
+        weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max) * l)
         ch = tl.arange(0, 128)
-        acc = tl.load(part_acc_ptr + part[:, None] * 128 + ch[None, :])
-        acc = tl.where(weight[:, None] > 0, acc, 0.0)
-        out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+        partial = tl.load(part_acc_ptr + part[:, None] * 128 + ch[None, :])
+        partial = tl.where(weight[:, None] > 0, partial, 0.0)
+        out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
         tl.store(out_ptr + q_start.to(tl.int64) * out_stride_t + head * out_stride_h + ch,
                  out.to(out_ptr.dtype.element_ty))
 
@@ -243,7 +251,7 @@ class SplitWorkspace:
     ``num_seqs * num_splits`` that rule gives, so any batch size fits without a new allocation.
     """
 
-    part_acc: torch.Tensor  # [rows, 128] fp32
+    part_acc: torch.Tensor  # [rows, 128] fp32, each split's output normalized by its own softmax denominator
     part_ml: torch.Tensor  # [rows, 2] fp32 (running max in log2 units, softmax denominator)
     num_q_heads: int
     num_kv_heads: int

@@ -78,8 +78,9 @@ def _kivi_close_kernel(
         params = (page + K_PARAMS_OFFSET) // 2 + t * 2
         scale = tl.load(cache_f16_ptr + params).to(tl.float32)[:, None]
         minimum = tl.load(cache_f16_ptr + params + 1).to(tl.float32)[:, None]
-        staged_lo = (packed & 15).to(tl.float32) * scale + minimum
-        staged_hi = (packed >> 4).to(tl.float32) * scale + minimum
+        key_dtype = key_ptr.dtype.element_ty
+        staged_lo = ((packed & 15).to(tl.float32) * scale + minimum).to(key_dtype)
+        staged_hi = ((packed >> 4).to(tl.float32) * scale + minimum).to(key_dtype)
         staged_lo, staged_hi = rotate_halves(staged_lo, staged_hi, HADAMARD_BLOCK)
         k_lo = tl.where(fresh[:, None], exact_lo, staged_lo)
         k_hi = tl.where(fresh[:, None], exact_hi, staged_hi)

@@ -27,22 +27,16 @@ def hadamard_quadrant(ROW0: tl.constexpr, COL0: tl.constexpr, HADAMARD_BLOCK: tl
 
 @triton.jit
 def rotate_halves(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr):
-    """(x @ R) for x given as its two 64-channel halves; R = blockdiag(H_b) / sqrt(b). Returns fp32 halves.
+    """(x @ R) for fp16/bf16 x given as its two 64-channel halves; R = blockdiag(H_b) / sqrt(b). Returns fp32.
 
-    fp16/bf16 inputs: exact products (+-1 signs), fp32 accumulation on tensor cores. fp32 inputs (dequantized
-    values): full fp32 ("ieee"), since the GPU's default TF32 would round them to 10 bits first.
+    The +-1 signs are exact in 16 bits, so the products are exact and the dots run on tensor cores; callers
+    holding fp32 values round them to 16 bits first (far below the int4 step) rather than pay for fp32 dots.
     """
     dt = x_lo.dtype
-    if dt == tl.float32:
-        y_lo = tl.dot(x_lo, hadamard_quadrant(0, 0, HADAMARD_BLOCK), input_precision="ieee") + tl.dot(
-            x_hi, hadamard_quadrant(64, 0, HADAMARD_BLOCK), input_precision="ieee")
-        y_hi = tl.dot(x_lo, hadamard_quadrant(0, 64, HADAMARD_BLOCK), input_precision="ieee") + tl.dot(
-            x_hi, hadamard_quadrant(64, 64, HADAMARD_BLOCK), input_precision="ieee")
-    else:
-        y_lo = tl.dot(x_lo, hadamard_quadrant(0, 0, HADAMARD_BLOCK).to(dt)) + tl.dot(
-            x_hi, hadamard_quadrant(64, 0, HADAMARD_BLOCK).to(dt))
-        y_hi = tl.dot(x_lo, hadamard_quadrant(0, 64, HADAMARD_BLOCK).to(dt)) + tl.dot(
-            x_hi, hadamard_quadrant(64, 64, HADAMARD_BLOCK).to(dt))
+    y_lo = tl.dot(x_lo, hadamard_quadrant(0, 0, HADAMARD_BLOCK).to(dt)) + tl.dot(
+        x_hi, hadamard_quadrant(64, 0, HADAMARD_BLOCK).to(dt))
+    y_hi = tl.dot(x_lo, hadamard_quadrant(0, 64, HADAMARD_BLOCK).to(dt)) + tl.dot(
+        x_hi, hadamard_quadrant(64, 64, HADAMARD_BLOCK).to(dt))
     norm = 1.0 / tl.sqrt(HADAMARD_BLOCK * 1.0)
     return y_lo * norm, y_hi * norm
 
