@@ -56,7 +56,8 @@ def token_stream(tokenizer, texts: list[str]) -> tuple[list[int], list[int]]:
     start = tokenizer("", add_special_tokens=True)["input_ids"]
     stream: list[int] = []
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        # verbose=False: documents are longer than the context on purpose, windows are cut afterwards
+        ids = tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
         stream.extend(ids[len(start):] if ids[: len(start)] == start else ids)
     return start, stream
 

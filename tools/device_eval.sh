@@ -19,7 +19,7 @@ if [ ! -f "$VLLM_SITE/vllm/__init__.py" ]; then
 fi
 # s4kv is not pip-installed there: expose runtime/ and kernels/ under their namespaced names, plus a
 # dist-info whose entry point lets every vLLM process load the plugin (vllm.general_plugins).
-site=/tmp/s4kv-path
+site=$(mktemp -d /tmp/s4kv-eval-site.XXXXXX)
 mkdir -p "$site/s4kv" "$site/s4kv-0.1.0.dist-info"
 ln -sfn "$PWD/runtime" "$site/s4kv/runtime" && ln -sfn "$PWD/kernels" "$site/s4kv/kernels"
 printf 'Metadata-Version: 2.1\nName: s4kv\nVersion: 0.1.0\n' >"$site/s4kv-0.1.0.dist-info/METADATA"
@@ -31,8 +31,8 @@ for m in $MODELS; do
   name=$(basename "$m")
   echo "=== $name ($(date +%T))"
   # shellcheck disable=SC2086
-  python3 -m s4kv.runtime.cli eval "$m" --out-dir "$OUT" --enforce-eager ${EVAL_ARGS:-} \
-    >"$OUT/$name-vllm.log" 2>&1 || { status=1; echo "FAILED, end of $OUT/$name-vllm.log:"; tail -30 "$OUT/$name-vllm.log"; continue; }
-  sed -n '/^\*\*/,$p' "$OUT/$name-vllm.log" | grep -v "^wrote"
+  python3 -m s4kv.runtime.cli eval "$m" --out-dir "$OUT" --enforce-eager ${EVAL_ARGS:-} >"$OUT/$name-vllm.log" 2>&1 \
+    || { status=1; echo "FAILED (a format or the run), end of $OUT/$name-vllm.log:"; tail -30 "$OUT/$name-vllm.log"; }
+  [ -f "$OUT/$name-vllm.json" ] && python3 -m s4kv.runtime.eval_report "$OUT/$name-vllm.json"
 done
 exit $status

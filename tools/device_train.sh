@@ -13,9 +13,9 @@ cd "$(dirname "$0")/.."
 : "${OUT:?OUT must be set (the device call sets it)}"
 [ -f .corpus/train.txt.xz ] || { echo "no .corpus/train.txt.xz: build it and name .corpus in carry"; exit 2; }
 # s4kv is not installed there: expose runtime/ and kernels/ under their namespaced import names.
-site=/tmp/s4kv-path/s4kv
-mkdir -p "$site" && ln -sfn "$PWD/runtime" "$site/runtime" && ln -sfn "$PWD/kernels" "$site/kernels"
-export PYTHONPATH=/tmp/s4kv-path PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+site=$(mktemp -d /tmp/s4kv-train-site.XXXXXX)
+mkdir -p "$site/s4kv" && ln -s "$PWD/runtime" "$site/s4kv/runtime" && ln -s "$PWD/kernels" "$site/s4kv/kernels"
+export PYTHONPATH=$site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
 python3 tools/train_reference.py --out "$OUT" --seconds-per-model "${SECONDS_PER_MODEL:-190}" ${TRAIN_ARGS:-}

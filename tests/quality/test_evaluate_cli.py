@@ -34,7 +34,23 @@ def test_eval_writes_json_plot_and_table(tiny_model, tmp_path, capsys):
     (["--formats", "int3"], "unknown KV format"),
     (["--long-len", "4096"], "exceeds the model's max_position_embeddings"),
     (["--long-len", "100", "--long-generate", "100"], "leaves no prompt"),
+    (["--short-len", "512"], "short regime: windows of 512 tokens"),
 ])
 def test_bad_arguments_fail_with_a_clear_message(tiny_model, tmp_path, bad, message):
     with pytest.raises(ValueError, match=message):
         main(["eval", str(tiny_model), "--engine", "torch", "--out-dir", str(tmp_path), *SMALL, *bad])
+
+
+def test_a_failing_format_is_reported_and_the_others_still_measured(tiny_model, tmp_path, monkeypatch, capsys):
+    from s4kv.runtime import eval_torch
+
+    def engine_that_will_not_start():
+        raise RuntimeError("vLLM run of fp8_fa3 failed (exit 1)\nValueError: no fp8 here")
+
+    monkeypatch.setitem(eval_torch.TORCH_FORMATS, "fp8_fa3", engine_that_will_not_start)
+    assert main(["eval", str(tiny_model), "--engine", "torch", "--formats", "fp8_fa3,s4kv_saw",
+                 "--out-dir", str(tmp_path), *SMALL]) == 1
+    result = json.loads((tmp_path / f"{tiny_model.name}-torch.json").read_text())
+    assert list(result["formats"]) == ["bf16_fa3", "s4kv_saw"]
+    assert "no fp8 here" in result["errors"]["fp8_fa3"]
+    assert "fp8 e4m3 KV: failed (ValueError: no fp8 here)" in capsys.readouterr().out
