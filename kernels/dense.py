@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout, tile_tokens
 from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
-from .triton_common import rotate_halves
+from .triton_common import rotate_halves_fp32
 
 TILE = 64
 
@@ -30,11 +30,11 @@ def _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params):
 
 
 @triton.jit
-def _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK: tl.constexpr, dtype):
+def _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK: tl.constexpr):
     """Per-token dequantization, then back from the rotated space (R is its own inverse)."""
     s_t = tl.load(cache_f16_ptr + k_params + offset * 2, mask=cached, other=0.0).to(tl.float32)[:, None]
     m_t = tl.load(cache_f16_ptr + k_params + offset * 2 + 1, mask=cached, other=0.0).to(tl.float32)[:, None]
-    return rotate_halves((k_lo * s_t + m_t).to(dtype), (k_hi * s_t + m_t).to(dtype), HADAMARD_BLOCK)
+    return rotate_halves_fp32(k_lo * s_t + m_t, k_hi * s_t + m_t, HADAMARD_BLOCK)
 
 
 @triton.jit
@@ -70,11 +70,9 @@ def _gather_dense_kernel(
             if (logical_block + 1) * BLOCK_SIZE <= seq_len:
                 k_lo, k_hi = _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params)
             else:
-                k_lo, k_hi = _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK,
-                                                  dense_k_ptr.dtype.element_ty)
+                k_lo, k_hi = _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK)
         else:
-            k_lo, k_hi = _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK,
-                                                  dense_k_ptr.dtype.element_ty)
+            k_lo, k_hi = _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK)
 
         v_bytes = tl.load(cache_u8_ptr + page + 64 * BLOCK_SIZE + offset[:, None] * 64 + ch[None, :],
                           mask=cached[:, None], other=0)
@@ -84,8 +82,7 @@ def _gather_dense_kernel(
         v_lo = (v_bytes & 15).to(tl.float32) * s_v + m_v
         v_hi = (v_bytes >> 4).to(tl.float32) * s_v + m_v
         if ROTATE_V:
-            v_lo, v_hi = rotate_halves(v_lo.to(dense_v_ptr.dtype.element_ty), v_hi.to(dense_v_ptr.dtype.element_ty),
-                                       HADAMARD_BLOCK)
+            v_lo, v_hi = rotate_halves_fp32(v_lo, v_hi, HADAMARD_BLOCK)
 
         src = (q_start + pos - prefix).to(tl.int64)
         key_rows = key_ptr + src[:, None] * key_stride_t + head * key_stride_h + ch[None, :]

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .layout import HALF_DIM, KIVI_BLOCK_SIZE, PageLayout
 from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
-from .triton_common import encode, finite_rows, rotate_halves, scale_and_min
+from .triton_common import encode, finite_rows, rotate_halves, rotate_halves_fp32, scale_and_min
 
 TOKENS_PER_PROGRAM = 16
 
@@ -78,10 +78,9 @@ def _kivi_close_kernel(
         params = (page + K_PARAMS_OFFSET) // 2 + t * 2
         scale = tl.load(cache_f16_ptr + params).to(tl.float32)[:, None]
         minimum = tl.load(cache_f16_ptr + params + 1).to(tl.float32)[:, None]
-        key_dtype = key_ptr.dtype.element_ty
-        staged_lo = ((packed & 15).to(tl.float32) * scale + minimum).to(key_dtype)
-        staged_hi = ((packed >> 4).to(tl.float32) * scale + minimum).to(key_dtype)
-        staged_lo, staged_hi = rotate_halves(staged_lo, staged_hi, HADAMARD_BLOCK)
+        staged_lo = (packed & 15).to(tl.float32) * scale + minimum
+        staged_hi = (packed >> 4).to(tl.float32) * scale + minimum
+        staged_lo, staged_hi = rotate_halves_fp32(staged_lo, staged_hi, HADAMARD_BLOCK)
         k_lo = tl.where(fresh[:, None], exact_lo, staged_lo)
         k_hi = tl.where(fresh[:, None], exact_hi, staged_hi)
 

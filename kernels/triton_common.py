@@ -29,8 +29,8 @@ def hadamard_quadrant(ROW0: tl.constexpr, COL0: tl.constexpr, HADAMARD_BLOCK: tl
 def rotate_halves(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr):
     """(x @ R) for fp16/bf16 x given as its two 64-channel halves; R = blockdiag(H_b) / sqrt(b). Returns fp32.
 
-    The +-1 signs are exact in 16 bits, so the products are exact and the dots run on tensor cores; callers
-    holding fp32 values round them to 16 bits first (far below the int4 step) rather than pay for fp32 dots.
+    The +-1 signs are exact in 16 bits, so the products are exact and the dots run on tensor cores (fp32 values:
+    rotate_halves_fp32, not an fp32 dot, which is TF32 or, as "ieee", slow).
     """
     dt = x_lo.dtype
     y_lo = tl.dot(x_lo, hadamard_quadrant(0, 0, HADAMARD_BLOCK).to(dt)) + tl.dot(
@@ -39,6 +39,18 @@ def rotate_halves(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr):
         x_hi, hadamard_quadrant(64, 64, HADAMARD_BLOCK).to(dt))
     norm = 1.0 / tl.sqrt(HADAMARD_BLOCK * 1.0)
     return y_lo * norm, y_hi * norm
+
+
+@triton.jit
+def rotate_halves_fp32(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr):
+    """rotate_halves for fp32 values at about fp32 precision, still on tensor cores: x = hi + lo with hi the fp16
+    rounding of x and lo the fp16 rounding of the rest (21 significant bits together), each rotated exactly."""
+    hi_lo = x_lo.to(tl.float16)
+    hi_hi = x_hi.to(tl.float16)
+    y_lo, y_hi = rotate_halves(hi_lo, hi_hi, HADAMARD_BLOCK)
+    r_lo, r_hi = rotate_halves((x_lo - hi_lo.to(tl.float32)).to(tl.float16),
+                               (x_hi - hi_hi.to(tl.float32)).to(tl.float16), HADAMARD_BLOCK)
+    return y_lo + r_lo, y_hi + r_hi
 
 
 @triton.jit
