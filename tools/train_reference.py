@@ -66,14 +66,16 @@ class ModelSpec:
         return config
 
 
+# Sizes: every device call carries the whole repository within 64 MiB, about 50 MiB of which is the offline
+# vLLM bundle when evaluating, so the two checkpoints together stay near 7 MB in bf16.
 MODELS = [
     # vLLM's Qwen2 derives head_dim as hidden_size / num_heads, so 2 heads of 128 need hidden 256.
-    ModelSpec("s4kv-ref-qwen2", "Qwen2ForCausalLM", hidden_size=256, intermediate_size=256, num_layers=4,
+    ModelSpec("s4kv-ref-qwen2", "Qwen2ForCausalLM", hidden_size=256, intermediate_size=192, num_layers=3,
               num_heads=2, num_kv_heads=1, rope={"rope_type": "default", "rope_theta": 1_000_000.0},
               attention_bias=True, seed=1,
               description="Qwen2-style: q/k/v bias, GQA 2:1, RoPE theta 1e6, tied embeddings"),
     # Llama reads head_dim from the config, so 4 query heads of 128 fit a narrower residual stream.
-    ModelSpec("s4kv-ref-llama3", "LlamaForCausalLM", hidden_size=192, intermediate_size=384, num_layers=3,
+    ModelSpec("s4kv-ref-llama3", "LlamaForCausalLM", hidden_size=128, intermediate_size=256, num_layers=3,
               num_heads=4, num_kv_heads=2,
               rope={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 4.0, "low_freq_factor": 1.0,
                     "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
