@@ -42,11 +42,11 @@ class PagedInt4Cache:
         self.caches: dict[tuple[int, int], torch.Tensor] = {}
         self.lengths: dict[tuple[int, int], int] = {}
 
-    def _cache_for(self, slot: tuple[int, int], num_kv_heads: int, length: int) -> torch.Tensor:
+    def _cache_for(self, slot: tuple[int, int], num_kv_heads: int, length: int, device) -> torch.Tensor:
         blocks = -(-length // BLOCK_SIZE)
         cache = self.caches.get(slot)
         if cache is None or cache.shape[0] < blocks:
-            grown = torch.zeros(cache_shape(blocks, num_kv_heads, BLOCK_SIZE), dtype=torch.uint8)
+            grown = torch.zeros(cache_shape(blocks, num_kv_heads, BLOCK_SIZE), dtype=torch.uint8, device=device)
             if cache is not None:
                 grown[: cache.shape[0]] = cache
             cache = self.caches[slot] = grown
@@ -60,12 +60,12 @@ class PagedInt4Cache:
         for b in range(batch):
             slot = (layer_idx, b)
             stored = self.lengths.get(slot, 0)
-            cache = self._cache_for(slot, num_kv_heads, length)
+            cache = self._cache_for(slot, num_kv_heads, length, key.device)
             if length > stored:  # only tokens the cache has not seen yet are written, as in a paged cache
                 ref.store_kv(key[b, :, stored:].transpose(0, 1).float(), value[b, :, stored:].transpose(0, 1).float(),
-                             cache, torch.arange(stored, length), self.scheme)
+                             cache, torch.arange(stored, length, device=key.device), self.scheme)
                 self.lengths[slot] = length
-            k, v = ref.dequantize_sequence(cache, torch.arange(cache.shape[0]), length, self.scheme)
+            k, v = ref.dequantize_sequence(cache, torch.arange(cache.shape[0], device=key.device), length, self.scheme)
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
         return torch.stack(keys), torch.stack(values)
@@ -89,8 +89,9 @@ class RotatedPerTokenInt4:
         self.rotation = signs[:, None].float() * block_hadamard(HEAD_DIM, HEAD_DIM)  # orthonormal
 
     def _round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        codes, scale, minimum = ref.quantize_per_token(x.float() @ self.rotation)
-        return ref.dequantize_per_token(codes, scale, minimum) @ self.rotation.T
+        rotation = self.rotation.to(x.device)
+        codes, scale, minimum = ref.quantize_per_token(x.float() @ rotation)
+        return ref.dequantize_per_token(codes, scale, minimum) @ rotation.T
 
     def __call__(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
         return self._round_trip(key), self._round_trip(value)
@@ -112,15 +113,15 @@ def teacher_forced(model, windows: list[list[int]], make_transform: Callable[[],
     """Top-k and target log-probs at every position after the first; with ``keep_full`` also [S, N, V]."""
     top_ids, top_lp, target_lp, full = [], [], [], []
     for start in range(0, len(windows), batch_size):
-        ids = torch.tensor(windows[start:start + batch_size])
+        ids = torch.tensor(windows[start:start + batch_size], device=model.device)
         with kv_transform(model, make_transform()):
             logprobs = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[:, :-1]
         top = logprobs.topk(top_k, dim=-1)
-        top_ids.append(top.indices.numpy())
-        top_lp.append(top.values.numpy())
-        target_lp.append(logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1).numpy())
+        top_ids.append(top.indices.cpu().numpy())
+        top_lp.append(top.values.cpu().numpy())
+        target_lp.append(logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1).cpu().numpy())
         if keep_full:
-            full.append(logprobs.numpy())
+            full.append(logprobs.cpu().numpy())
     record = TeacherForced(np.concatenate(top_ids), np.concatenate(top_lp), np.concatenate(target_lp))
     return record, (np.concatenate(full) if keep_full else None)
 
@@ -133,14 +134,14 @@ def greedy(model, prompts: list[list[int]], generate: int, make_transform: Calla
 
     outputs = []
     for start in range(0, len(prompts), batch_size):
-        ids = torch.tensor(prompts[start:start + batch_size])
+        ids = torch.tensor(prompts[start:start + batch_size], device=model.device)
         cache, produced = DynamicCache(), []
         with kv_transform(model, make_transform()):
             for _ in range(generate):
                 logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
                 ids = logits.argmax(-1, keepdim=True)
                 produced.append(ids)
-        outputs.append(torch.cat(produced, 1).numpy())
+        outputs.append(torch.cat(produced, 1).cpu().numpy())
     return Greedy(np.concatenate(outputs))
 
 

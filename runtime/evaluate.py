@@ -6,7 +6,7 @@ teacher-forced top-1 agreement with bf16, perplexity and its delta, mean KL of t
 
 Engines: ``vllm`` (default; one vLLM process per format, runtime/eval_vllm.py) measures the real kernels;
 ``torch`` (CPU, runtime/eval_torch.py) runs the Hugging Face model with each format's torch reference and is
-what CI uses to check the metrics. Writes ``<out-dir>/<model>.json`` and ``<model>.png`` and prints the table.
+what CI uses to check the metrics. Writes ``<out-dir>/<model>-<engine>.json`` and ``.png``; prints the table.
 """
 
 from __future__ import annotations
