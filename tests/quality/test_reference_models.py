@@ -47,4 +47,4 @@ def test_trained_keys_have_outlier_channels_that_random_weights_lack(name):
     random = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
     trained_ratio = max(layer["max_over_median"] for layer in model_key_stats(trained, ids))
     random_ratio = max(layer["max_over_median"] for layer in model_key_stats(random, ids))
-    assert trained_ratio > 2 * random_ratio, (trained_ratio, random_ratio)
+    assert trained_ratio > 1.5 * random_ratio, (trained_ratio, random_ratio)
