@@ -129,6 +129,11 @@ def heldout_windows(tokenizer_path: Path, heldout: Path, seq_len: int, count: in
 
 # ----------------------------------------------------------------------------- training
 
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def param_groups(model, weight_decay: float):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -179,14 +184,19 @@ def train_one(spec: ModelSpec, tokens: torch.Tensor, args, vocab_size: int, sepa
     total_steps, step, curve = args.max_steps or 10**9, 0, []
     running = torch.zeros((), device=args.device)
     start = time.perf_counter()
+    settled_step, settled_at = args.calibration_steps // 3, 0.0
     model.train()
     while step < total_steps:
-        if step == args.calibration_steps and not args.max_steps:
-            # size the cosine schedule so training ends on the wall-clock budget
-            per_step = (time.perf_counter() - start) / step
-            total_steps = max(step + 1, int(args.seconds_per_model / per_step))
-            log(f"[{spec.name}] {per_step * 1e3:.1f} ms/step -> {total_steps} steps "
-                f"({total_steps * args.batch_size * args.seq_len / 1e6:.0f}M tokens)")
+        if step in (settled_step, args.calibration_steps) and not args.max_steps:
+            synchronize(args.device)
+            now = time.perf_counter()
+            if step == settled_step:  # the first steps pay for CUDA/cuBLAS initialisation: time from here
+                settled_at = now
+            else:  # size the cosine schedule so training ends on the wall-clock budget
+                per_step = (now - settled_at) / (step - settled_step)
+                total_steps = step + max(1, int((args.seconds_per_model - (now - start)) / per_step))
+                log(f"[{spec.name}] {per_step * 1e3:.1f} ms/step -> {total_steps} steps "
+                    f"({total_steps * args.batch_size * args.seq_len / 1e6:.0f}M tokens)")
         lr = learning_rate(step, total_steps if step >= args.calibration_steps or args.max_steps else 10**9,
                            args.lr, args.warmup_steps)
         for group in optimizer.param_groups:
@@ -204,6 +214,9 @@ def train_one(spec: ModelSpec, tokens: torch.Tensor, args, vocab_size: int, sepa
         optimizer.step()
         running += loss.detach()
         step += 1
+        if not args.max_steps and step % 50 == 0 and time.perf_counter() - start > 1.3 * args.seconds_per_model:
+            log(f"[{spec.name}] stopping at step {step}: past 1.3x the time budget (steps got slower)")
+            break  # the device call has a hard limit; a shortened schedule beats losing the call
         if step % args.log_every == 0 or step == total_steps:
             mean = float(running) / (step - (curve[-1][0] if curve else 0))
             running.zero_()
