@@ -127,7 +127,7 @@ def engine_checks(model: str, kind: str, eager: bool) -> dict:
     with open(os.path.join(model, "config.json")) as handle:
         config = json.load(handle)
     bytes_per_token = config["num_hidden_layers"] * config["num_key_value_heads"] * (512 if kind == "bf16" else 136)
-    llm = LLM(model, dtype="bfloat16", enforce_eager=eager, max_model_len=2048, max_num_seqs=32,
+    llm = LLM(model, dtype="bfloat16", enforce_eager=eager, max_model_len=1024, max_num_seqs=32,
               max_num_batched_tokens=256, enable_chunked_prefill=True, enable_prefix_caching=True,
               gpu_memory_utilization=0.08, kv_cache_memory_bytes=48 * 128 * bytes_per_token,  # 48 pages of 128
               disable_log_stats=False, seed=0,
