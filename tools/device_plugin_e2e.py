@@ -32,7 +32,6 @@ import time
 import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # `python tools/...` from anywhere; s4kv itself comes from the installed entry point
 SCHEMES = ("int4_kivi", "int4_saw")
 S4KV_ARGS = {"kv_cache_dtype": "int4_per_token_head", "attention_config": {"backend": "CUSTOM"}}
 CAPACITY_MODEL_CONFIG = os.path.join(REPO, "configs", "qwen2.5-7b-instruct.json")
@@ -83,31 +82,34 @@ def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# phase 1: capacity (in one process, engines one after another)
+# phase 1: capacity (one process per KV format, one after another, nothing else on the GPU)
 # ---------------------------------------------------------------------------------------------------------------
-def capacity_worker(out: str) -> dict:
+CAPACITY_KINDS = ("bf16", "fp8", "int4_per_token_head", *SCHEMES)
+
+
+def capacity_worker(kind: str, out: str) -> dict:
     from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
 
     model_dir = os.path.join(out, "qwen2.5-7b-shape")
     os.makedirs(model_dir, exist_ok=True)
     shutil.copy(CAPACITY_MODEL_CONFIG, os.path.join(model_dir, "config.json"))
-    tokens = {}
-    for kind in ("bf16", "fp8", "int4_per_token_head", *SCHEMES):
-        start = time.monotonic()
-        try:
-            llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-                      gpu_memory_utilization=0.9, max_model_len=8192, **kv_kwargs(kind))
-            cache = llm.llm_engine.engine_core.engine_core.vllm_config.cache_config
-            tokens[kind] = {"tokens": cache.num_gpu_blocks * cache.block_size, "block_size": cache.block_size}
-            del llm
-        except Exception as err:  # report and go on with the next format
-            tokens[kind] = {"error": f"{type(err).__name__}: {err}"[:500]}
-        gc.collect()
-        cleanup_dist_env_and_memory()
-        tokens[kind]["seconds"] = round(time.monotonic() - start, 1)
-        print(f"[capacity] {kind}: {tokens[kind]}", flush=True)
-    return tokens
+    llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+              gpu_memory_utilization=0.9, max_model_len=8192, **kv_kwargs(kind))
+    cache = llm.llm_engine.engine_core.engine_core.vllm_config.cache_config
+    return {"tokens": cache.num_gpu_blocks * cache.block_size, "block_size": cache.block_size}
+
+
+def capacity_phase(out: str, env: dict, deadline: float) -> dict:
+    results = {}
+    for kind in CAPACITY_KINDS:
+        log_path = os.path.join(out, f"capacity_{kind}.log")
+        results[kind] = run_child(["capacity", "--kind", kind, "--out", out], env,
+                                  max(20, min(60, deadline - time.monotonic())), log_path)
+        printed = KV_LINE.findall(open(log_path).read())
+        results[kind]["vllm_line"] = f"GPU KV cache size: {printed[-1]} tokens" if printed else None
+        print(f"[capacity] {kind}: {results[kind].get('vllm_line') or results[kind].get('tail', '')[-300:]}",
+              flush=True)
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,8 +281,7 @@ def drive(out: str, budget_s: float) -> int:
     summary: dict[str, object] = {}
 
     print("[e2e] phase 1: KV capacity (alone on the GPU)", flush=True)
-    summary["capacity"] = run_child(["capacity", "--out", out], env, max(30, min(170, deadline - time.monotonic() - 200)),
-                                    os.path.join(out, "capacity.log"))
+    summary["capacity"] = capacity_phase(out, env, deadline - 200)
 
     print("[e2e] phase 2+3: engine matrix (4 workers) and 2 OpenAI servers, side by side", flush=True)
     remaining = max(30, deadline - time.monotonic() - 10)
@@ -301,7 +302,8 @@ def drive(out: str, budget_s: float) -> int:
         for key, job in jobs.items():
             summary[key] = job.result()
 
-    failures = []
+    failures = [f"capacity {kind}: not measured (exit {entry.get('exit')})"
+                for kind, entry in summary["capacity"].items() if not entry.get("vllm_line")]
     for key, value in summary.items():
         if key.startswith("runner_"):
             failures += [f"{key} {line}" for line in judge_matrix(value)]
@@ -314,10 +316,8 @@ def drive(out: str, budget_s: float) -> int:
         json.dump(summary, handle, indent=1)
 
     print("\n===== S4 KV plugin on the GPU: summary =====")
-    capacity = summary["capacity"]
-    for kind in ("bf16", "fp8", "int4_per_token_head", *SCHEMES):
-        entry = capacity.get(kind, {}) if isinstance(capacity, dict) else {}
-        print(f"KV capacity {kind:>20}: {entry.get('tokens', entry.get('error', 'not measured'))} tokens")
+    for kind, entry in summary["capacity"].items():
+        print(f"KV capacity {kind:>20}: {entry.get('vllm_line') or 'not measured (see ' + entry['log'] + ')'}")
     for key, value in summary.items():
         if key.startswith(("runner_", "server_")):
             print(f"{key}: exit {value.get('exit')} in {value.get('seconds')} s")
@@ -331,6 +331,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="s4kv_e2e_"))
     parser.add_argument("--budget-s", type=float, default=420, help="wall-clock budget of the whole run")
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--kind", choices=CAPACITY_KINDS)
     parser.add_argument("--scheme", choices=SCHEMES)
     parser.add_argument("--model")
     parser.add_argument("--raw", action="store_true", help="server: plain `vllm serve` flags instead of `s4kv serve`")
@@ -339,7 +340,7 @@ def main() -> int:
     if args.phase == "all":
         return drive(args.out, args.budget_s)
     if args.phase == "capacity":
-        result = capacity_worker(args.out)
+        result = capacity_worker(args.kind, args.out)
     elif args.phase == "matrix":
         result = matrix_worker(args.eager)
     else:
