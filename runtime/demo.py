@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -39,7 +41,7 @@ def wait_until_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the server exited with status {server.returncode} before it was ready (log above)")
+            raise RuntimeError(f"the server exited with status {server.returncode} before it was ready")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
                 if response.status == 200:
@@ -61,13 +63,15 @@ def ask(base_url: str, question: str) -> str:
 
 
 def stop(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        server.terminate()
+    """Ctrl-C first (vLLM's server shuts its engine down cleanly on SIGINT), then harder."""
+    for send in (lambda: server.send_signal(signal.SIGINT), server.terminate, server.kill):
+        if server.poll() is not None:
+            return
+        send()
         try:
-            server.wait(timeout=60)
+            server.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+            continue
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,15 +83,23 @@ def run(args: argparse.Namespace) -> int:
         return 2
     on_gpu = torch.cuda.is_available()
     base_url = f"http://127.0.0.1:{args.port}"
-    print(f"[demo] serving {model} with {args.scheme} KV on the {'GPU' if on_gpu else 'CPU'} at {base_url}", flush=True)
-    server = subprocess.Popen(server_command(model, args.scheme, args.port, on_gpu))
+    log_path = os.path.join(tempfile.mkdtemp(prefix="s4kv-demo-"), "server.log")
+    print(f"[demo] serving {model} with {args.scheme} KV on the {'GPU' if on_gpu else 'CPU'} at {base_url} "
+          f"(vLLM's log: {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(server_command(model, args.scheme, args.port, on_gpu), stdout=log,
+                                  stderr=subprocess.STDOUT)
     try:
         wait_until_healthy(base_url, server, STARTUP_TIMEOUT_S)
+        print(f"[demo] the OpenAI-compatible server is up: {base_url}/v1", flush=True)
         print(f"[demo] Q: {args.question}", flush=True)
         print(f"[demo] A: {ask(base_url, args.question)}", flush=True)
     except (RuntimeError, TimeoutError) as err:
+        with open(log_path) as log:
+            print(log.read()[-4000:], file=sys.stderr)
         print(f"s4kv demo: {err}", file=sys.stderr)
         return 1
     finally:
         stop(server)
+    print("[demo] server stopped", flush=True)
     return 0
