@@ -94,3 +94,61 @@ def test_engine_start_up_rejections(tmp_path):
     assert "llama2 (LlamaForCausalLM, model_type 'llama') is outside the Qwen2, Qwen2.5 and Llama-3" in results["llama2"]
     assert "add --attention-backend CUSTOM" in results["no_custom"]
     assert "int4_saw needs --kv-cache-dtype int4_per_token_head (its page budget), got 'auto'." in results["no_kv_dtype"]
+
+
+@pytest.fixture
+def registry():
+    """vLLM's backend registry, restored after the test (register() writes process-wide state)."""
+    from vllm.v1.attention.backends import registry as vllm_registry
+
+    saved = dict(vllm_registry._ATTN_OVERRIDES)
+    yield vllm_registry
+    vllm_registry._ATTN_OVERRIDES.clear()
+    vllm_registry._ATTN_OVERRIDES.update(saved)
+
+
+def test_version_gate(registry, monkeypatch):
+    import vllm
+
+    from s4kv.runtime import plugin
+    from s4kv.runtime.config import S4KVConfigError
+
+    assert plugin.incompatibility() is None  # the installed vLLM 0.26.0 passes every probe
+    monkeypatch.setattr(vllm, "__version__", "0.27.1")
+    monkeypatch.setattr(plugin, "_incompatibility", None)
+    plugin.register()
+    assert registry.AttentionBackendEnum.CUSTOM.get_path() == "s4kv.runtime.plugin.IncompatibleVllm"
+    with pytest.raises(S4KVConfigError, match=r"S4 KV supports vLLM 0\.26\.0 only, found vLLM 0\.27\.1\."):
+        registry.AttentionBackendEnum.CUSTOM.get_class()
+
+
+def test_custom_slot_held_by_another_plugin(registry):
+    from s4kv.runtime import plugin
+
+    registry.register_backend(registry.AttentionBackendEnum.CUSTOM, "other.plugin.Backend")
+    with pytest.raises(RuntimeError, match=r"another plugin already holds it \(other\.plugin\.Backend\)"):
+        plugin.register()
+
+
+def test_cpu_route_follows_the_current_config(registry, tmp_path):
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+
+    from s4kv.runtime import plugin
+    from s4kv.runtime.config import S4KVConfigError
+
+    plugin.register()
+    model = bundled_model_dir(LLAMA3)
+    s4kv = dict(kv_cache_dtype="int4_per_token_head", additional_config={"s4kv": {"scheme": "int4_kivi"}})
+    cases = {
+        "plain": EngineArgs(model=model),
+        "s4kv": EngineArgs(model=model, attention_backend="CUSTOM", **s4kv),
+        "no_custom": EngineArgs(model=model, **s4kv),
+    }
+    configs = {name: args.create_engine_config() for name, args in cases.items()}
+    with set_current_vllm_config(configs["plain"]):
+        assert plugin.route_CPU_ATTN.__name__ == "CPUAttentionBackend"
+    with set_current_vllm_config(configs["s4kv"]):
+        assert plugin.route_CPU_ATTN.__name__ == "S4KVCpuAttentionBackend"
+    with set_current_vllm_config(configs["no_custom"]), pytest.raises(S4KVConfigError, match="--attention-backend CUSTOM"):
+        getattr(plugin, "route_CPU_ATTN")
