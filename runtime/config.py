@@ -94,19 +94,22 @@ class ModelFacts:
     def from_hf_config(cls, cfg: Mapping[str, Any], name: str = "model") -> "ModelFacts":
         layer_types = set(cfg.get("layer_types") or [])
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope = rope if isinstance(rope, Mapping) else {}
         if cfg.get("use_sliding_window") is False:  # Qwen2 keeps a sliding_window value it does not use
             window_in_use = False
         else:
             window_in_use = bool(cfg.get("sliding_window") or cfg.get("attention_chunk_size"))
-        hybrid_markers = ("layers_block_type", "hybrid_override_pattern", "mamba_d_state", "ssm_cfg", "linear_attn_config")
+        hybrid_markers = (
+            "layers_block_type", "hybrid_override_pattern", "mamba_d_state", "ssm_cfg", "linear_attn_config"
+        )
         return cls(
             name=name,
             architectures=tuple(cfg.get("architectures") or ()),
             model_type=str(cfg.get("model_type", "")),
             head_dim=_head_dim(cfg),
             vocab_size=int(cfg.get("vocab_size") or 0),
-            rope_theta=float(cfg.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, Mapping) else 0) or 0),
-            rope_type=str(rope.get("rope_type") or rope.get("type") or "") if isinstance(rope, Mapping) else "",
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 0),
+            rope_type=str(rope.get("rope_type") or rope.get("type") or ""),
             uses_mla=bool(cfg.get("kv_lora_rank")) or cfg.get("model_type") in _MLA_MODEL_TYPES,
             sliding_window=window_in_use or bool(layer_types & _SLIDING_LAYER_TYPES),
             hybrid=bool(layer_types - _SLIDING_LAYER_TYPES - {_FULL_ATTENTION_LAYER})
@@ -134,7 +137,8 @@ class ModelFacts:
     @property
     def family(self) -> str | None:
         """"qwen2" or "llama3" when the model is in a family the schemes were validated on, else None."""
-        expected_type = next((SUPPORTED_ARCHITECTURES[a] for a in self.architectures if a in SUPPORTED_ARCHITECTURES), None)
+        known = [SUPPORTED_ARCHITECTURES[a] for a in self.architectures if a in SUPPORTED_ARCHITECTURES]
+        expected_type = known[0] if known else None
         if expected_type is None or self.model_type != expected_type:
             return None
         if expected_type == "qwen2":
@@ -201,14 +205,18 @@ def engine_rejections(config: S4KVConfig, engine: EngineFacts) -> list[str]:
             f"{scheme} needs --kv-cache-dtype {KV_CACHE_DTYPE} (its page budget), got {engine.kv_cache_dtype!r}."
         )
     if engine.block_size is not None and engine.block_size != BLOCK_SIZE:
-        reasons.append(f"{scheme} needs --block-size {BLOCK_SIZE} (one int4 page per 128 tokens), got {engine.block_size}.")
+        reasons.append(
+            f"{scheme} needs --block-size {BLOCK_SIZE} (one int4 page per 128 tokens), got {engine.block_size}."
+        )
     if engine.speculative_decoding and config.scheme.is_kivi:
         reasons.append(
             "int4_kivi cannot run with speculative decoding: rejected draft tokens would rewrite keys of a block "
             "that was already quantized per channel."
         )
     if engine.kv_connector:
-        reasons.append(f"{scheme} cannot run with a KV connector: connectors move pages in vLLM's own layouts, not S4 KV's.")
+        reasons.append(
+            f"{scheme} cannot run with a KV connector: connectors move pages in vLLM's own layouts, not S4 KV's."
+        )
     if engine.context_parallel:
         reasons.append(f"{scheme} does not support decode or prefill context parallelism.")
     if engine.kv_cache_dtype_skip_layers:
@@ -229,7 +237,9 @@ def model_rejections(config: S4KVConfig, model: ModelFacts) -> list[str]:
     if model.sliding_window:
         reasons.append(f"{model.name} uses sliding-window attention, which {scheme} does not support.")
     if model.hybrid:
-        reasons.append(f"{model.name} is a hybrid model (attention mixed with other layer types), which {scheme} does not support.")
+        reasons.append(
+            f"{model.name} is a hybrid model (attention mixed with other layer types), which {scheme} does not support."
+        )
     if model.encoder_decoder:
         reasons.append(f"{model.name} is an encoder-decoder model; {scheme} supports decoder-only self-attention.")
     if model.dual_chunk_attention:

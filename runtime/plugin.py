@@ -60,7 +60,7 @@ def register() -> None:
         if name not in AttentionBackendEnum.__members__:  # an older or newer vLLM without this backend
             continue
         register_backend(AttentionBackendEnum[name], f"{__name__}.{ROUTE_PREFIX}{name}")
-    logger.info("S4 KV plugin registered (CUSTOM backend; routes for %s)", ", ".join(routed))
+    logger.debug("S4 KV plugin registered (CUSTOM backend; routes for %s)", ", ".join(routed))
 
 
 def incompatibility() -> str | None:
@@ -113,7 +113,8 @@ def resolve_route(name: str) -> type:
         raise S4KVConfigError(_incompatibility)
     config = check_vllm_config(vllm_config)  # raises, with every cause, unless S4 KV can run as configured
     if name in ROUTED_CPU_BACKENDS:
-        logger.info("S4 KV %s runs on the CPU platform in place of %s (torch reference kernels)", config.scheme.name, name)
+        logger.info("S4 KV %s runs on the CPU platform in place of %s (torch reference kernels)",
+                    config.scheme.name, name)
         return resolve_obj_by_qualname(CPU_BACKEND)
     # The CUDA selector only resolves these when CUSTOM was not chosen, which check_vllm_config already rejects.
     raise S4KVConfigError(f"vLLM asked for its {name} backend while S4 KV ({config.scheme.name}) is configured.")

@@ -121,4 +121,5 @@ def run(args: argparse.Namespace) -> int:
     print("s4kv serve: " + shlex.join(["vllm", "serve", args.model, *flags]), flush=True)
     if args.dry_run:
         return 0
-    os.execv(sys.executable, build_command(args.model, flags))  # the server owns this process from here (signals, exit code)
+    # The server owns this process from here on (signals, exit status).
+    os.execv(sys.executable, build_command(args.model, flags))

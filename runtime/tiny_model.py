@@ -133,7 +133,8 @@ def write_model_dirs(model, tok, shape: TinyShape, out_dir: str) -> list[str]:
     import torch
     from safetensors.torch import save_file
 
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tied = "lm_head.weight"  # tie_word_embeddings: the checkpoint holds only the embedding
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != tied}
     fields = _hf_fields(shape, tok)
     written = []
     for name, architecture, model_type in ((LLAMA3, "LlamaForCausalLM", "llama"), (QWEN2, "Qwen2ForCausalLM", "qwen2")):
@@ -148,7 +149,8 @@ def write_model_dirs(model, tok, shape: TinyShape, out_dir: str) -> list[str]:
             for layer in range(shape.num_hidden_layers):
                 kv_width = shape.num_key_value_heads * fields["head_dim"]
                 for proj, width in (("q", shape.hidden_size), ("k", kv_width), ("v", kv_width)):
-                    weights[f"model.layers.{layer}.self_attn.{proj}_proj.bias"] = torch.zeros(width, dtype=torch.bfloat16)
+                    bias = torch.zeros(width, dtype=torch.bfloat16)
+                    weights[f"model.layers.{layer}.self_attn.{proj}_proj.bias"] = bias
         else:
             config.update(attention_bias=False, mlp_bias=False)
         save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

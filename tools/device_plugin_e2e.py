@@ -121,6 +121,10 @@ def long_context(turns: int) -> str:
     return "".join(chat_text(*FACTS[i % len(FACTS)]) for i in range(turns))
 
 
+def attention_impls(model) -> list[str]:
+    return sorted({type(module.impl).__name__ for module in model.modules() if hasattr(module, "impl")})
+
+
 def engine_checks(model: str, kind: str, eager: bool) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -148,7 +152,7 @@ def engine_checks(model: str, kind: str, eager: bool) -> dict:
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     result = {
         "answers": [o.outputs[0].text.strip() for o in outs[: len(FACTS)]],
-        "correct": sum(o.outputs[0].text.strip() == a for o, (_, a) in zip(outs, FACTS)),
+        "correct": sum(o.outputs[0].text.strip() == a for o, (_, a) in zip(outs[: len(FACTS)], FACTS, strict=True)),
         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
         "long_prompt_tokens": len(outs[-1].prompt_token_ids),
         "prefix_cached_tokens": repeat.num_cached_tokens,
@@ -156,7 +160,7 @@ def engine_checks(model: str, kind: str, eager: bool) -> dict:
         "pressure_all_same": len({tuple(o.outputs[0].token_ids) for o in pressure}) == 1,
         "pressure_matches_single": list(pressure[0].outputs[0].token_ids[: len(single)]) == single,
         "preemptions": metrics.get("vllm:num_preemptions"),
-        "impls": llm.apply_model(lambda m: sorted({type(x.impl).__name__ for x in m.modules() if hasattr(x, "impl")}))[0],
+        "impls": llm.apply_model(attention_impls)[0],
     }
     del llm
     return result
@@ -237,7 +241,8 @@ def server_worker(model: str, scheme: str, raw_vllm: bool, out: str) -> dict:
                                                   **settings)
 
         checks["chat"] = chat(FACTS[0][0]).choices[0].message.content.strip() == FACTS[0][1]
-        completion = client.completions.create(model=served, prompt=chat_text(FACTS[1][0]), temperature=0, max_tokens=24)
+        completion = client.completions.create(model=served, prompt=chat_text(FACTS[1][0]), temperature=0,
+                                               max_tokens=24)
         checks["completion"] = completion.choices[0].text.strip() == FACTS[1][1]
         stream = chat(FACTS[4][0], stream=True)
         checks["stream"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices).strip() == FACTS[4][1]
