@@ -192,3 +192,30 @@ def test_engine_check_accepts_and_reads_engine_flags(tmp_path):
                                 **S4KV_ENGINE_ARGS)
     with pytest.raises(S4KVConfigError, match="needs --block-size 128"):
         check_vllm_config(small_blocks)
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs, words, saw_accepted",
+    [
+        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
+         ["int4_kivi cannot run with speculative decoding"], True),
+        (dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
+         ["int4_kivi cannot run with a KV connector"], False),
+        (dict(kv_cache_dtype_skip_layers=["0"]), ["--kv-cache-dtype-skip-layers 0"], False),
+    ],
+)
+def test_engine_check_on_engine_features(engine_kwargs, words, saw_accepted, tmp_path):
+    """Speculative decoding, KV connectors and bf16 layers, as vLLM's own config reports them."""
+    from s4kv.runtime.config import check_vllm_config
+
+    model = write_model_dir(tmp_path, "qwen", QWEN25_7B)
+    kivi = _vllm_config(model, additional_config={"s4kv": {"scheme": "int4_kivi"}}, **S4KV_ENGINE_ARGS, **engine_kwargs)
+    with pytest.raises(S4KVConfigError) as err:
+        check_vllm_config(kivi)
+    assert_one_sentence_per_cause(str(err.value), words)
+    saw = _vllm_config(model, additional_config={"s4kv": {"scheme": "int4_saw"}}, **S4KV_ENGINE_ARGS, **engine_kwargs)
+    if saw_accepted:
+        assert check_vllm_config(saw) == SAW
+    else:
+        with pytest.raises(S4KVConfigError):
+            check_vllm_config(saw)
