@@ -238,7 +238,10 @@ def train_one(spec: ModelSpec, tokens: torch.Tensor, args, vocab_size: int, sepa
         "train_loss_curve": curve, "heldout_loss_init": loss_at_init, "heldout_loss": final_loss,
         "heldout_perplexity": math.exp(final_loss), "heldout_windows": len(windows),
         "key_stats_random_init": random_keys, "key_stats_trained": trained_keys,
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+        "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
+                   else f"{args.device.upper()} ({torch.get_num_threads()} threads)"),
+        # autocast is off on the CPU (bf16 matmuls there are slower than fp32 on most CPUs)
+        "precision": "fp32" if args.device == "cpu" else "bf16 autocast, fp32 master weights",
         "torch": torch.__version__,
     }
     return model, stats
@@ -267,9 +270,9 @@ heads of head_dim 128, MLP {spec.intermediate_size}, vocabulary {stats['vocab_si
 - Data: the offline English corpus of `tools/build_corpus.py` (Debian documentation packages, dictionaries,
   Shakespeare, the King James Bible; {stats['corpus_tokens'] / 1e6:.0f}M tokens); sources and licences in
   `data/corpus/SOURCES.md`. The held-out documents (`data/eval/heldout.jsonl`) were not trained on.
-- Training: `tools/train_reference.py` on one {stats['device']}, {stats['steps']} steps of {stats['batch_size']} x \
-{stats['seq_len']} tokens ({stats['tokens_seen'] / 1e6:.0f}M tokens, {stats['seconds']:.0f} s), AdamW, peak lr \
-{stats['peak_lr']}, bf16 autocast
+- Training: `tools/train_reference.py` on {stats['device']}, {stats['steps']} steps of {stats['batch_size']} x \
+{stats['seq_len']} tokens ({stats['tokens_seen'] / 1e6:.2f}M tokens, {stats['seconds']:.0f} s wall time), AdamW, peak lr \
+{stats['peak_lr']}, {stats.get('precision', 'bf16 autocast')}
 - Loss: train {curve[0][1]:.2f} (first {curve[0][0]} steps) -> {curve[-1][1]:.2f}; held-out {stats['heldout_loss_init']:.2f} \
 at init -> {stats['heldout_loss']:.2f} (perplexity {stats['heldout_perplexity']:.1f}, {stats['heldout_windows']} windows \
 of {stats['seq_len']} tokens)
