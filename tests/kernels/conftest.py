@@ -1,9 +1,8 @@
 """Shared set-up of the kernel tests.
 
-Without a GPU the Triton kernels run under Triton's interpreter (fp16 only). ``triton.jit`` reads
-``TRITON_INTERPRET`` when a kernel is *defined*, so it must be set here, at import time, before any test
-module imports ``s4kv.kernels.store`` or ``s4kv.kernels.attention``. With CUDA present the same tests run
-the compiled kernels on the GPU instead.
+Without a GPU the Triton kernels run under Triton's interpreter (fp16 only); tests/conftest.py sets
+``TRITON_INTERPRET`` before anything imports triton. With CUDA present the same tests run the compiled
+kernels on the GPU instead.
 """
 
 from __future__ import annotations
@@ -17,14 +16,14 @@ import torch
 
 ON_CUDA = torch.cuda.is_available()
 if not ON_CUDA:
-    _interpreting_already = os.environ.get("TRITON_INTERPRET") == "1"
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    _early = [m for m in ("s4kv.kernels.store", "s4kv.kernels.attention") if m in sys.modules]
-    if _early and not _interpreting_already:
+    # tests/conftest.py sets TRITON_INTERPRET=1 before any test module can import triton; if it is not set
+    # now (pytest started below tests/, or the variable was set to something else), the kernels cannot run.
+    if os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules:
         raise pytest.UsageError(
-            f"{_early} were imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1, so their "
-            "kernels cannot run on this CPU-only machine: run pytest with TRITON_INTERPRET=1 in the environment"
+            "triton was imported without TRITON_INTERPRET=1 on this CPU-only machine, so the kernels cannot run: "
+            "run pytest from the repository root (tests/conftest.py sets it) or with TRITON_INTERPRET=1"
         )
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 KERNEL_DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 
