@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .layout import HEAD_DIM, KIVI_BLOCK_SIZE, PageLayout, tile_tokens
 from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
-from .triton_common import rotate_halves
+from .triton_common import load_channel_params, load_token_params, rotate_halves
 
 LOG2E = 1.4426950408889634
 
@@ -86,8 +86,7 @@ def _load_codes(cache_u8_ptr, page, region, offset, written, IS_BF16: tl.constex
 @triton.jit
 def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written):
     """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys."""
-    s_t = tl.load(cache_f16_ptr + k_params + offset * 2, mask=written, other=0.0).to(tl.float32)
-    m_t = tl.load(cache_f16_ptr + k_params + offset * 2 + 1, mask=written, other=0.0).to(tl.float32)
+    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written)
     raw = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
     return raw * s_t[None, :] + q_sum[:, None] * m_t[None, :]
 
@@ -95,11 +94,7 @@ def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, of
 @triton.jit
 def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params):
     """Q K^T for a closed KIVI block (unrotated keys, per-channel params): (Q * scale) . codes + Q . min."""
-    ch = tl.arange(0, 64)
-    s_lo = tl.load(cache_f16_ptr + k_params + ch * 2).to(tl.float32)[None, :]
-    m_lo = tl.load(cache_f16_ptr + k_params + ch * 2 + 1).to(tl.float32)[None, :]
-    s_hi = tl.load(cache_f16_ptr + k_params + 128 + ch * 2).to(tl.float32)[None, :]
-    m_hi = tl.load(cache_f16_ptr + k_params + 128 + ch * 2 + 1).to(tl.float32)[None, :]
+    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params)
     dt = q_lo.dtype
     q32_lo = q_lo.to(tl.float32)
     q32_hi = q_hi.to(tl.float32)
@@ -187,9 +182,7 @@ def _paged_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, written, IS_BF16, CODE_BIAS_BITS,
                                       CODE_BIAS)
-            v_params = (page + layout_v_params) // 2 + offset * 2
-            sv = tl.load(cache_f16_ptr + v_params, mask=written, other=0.0).to(tl.float32)
-            mv = tl.load(cache_f16_ptr + v_params + 1, mask=written, other=0.0).to(tl.float32)
+            sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written)
             p_scaled = (p * sv[None, :]).to(dt)
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo)
             acc_hi = acc_hi * alpha[:, None] + tl.dot(p_scaled, v_hi)

@@ -14,27 +14,22 @@ import triton.language as tl
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout, tile_tokens
 from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
-from .triton_common import rotate_halves_fp32
+from .triton_common import load_channel_params, load_token_params, rotate_halves_fp32
 
 TILE = 64
 
 
 @triton.jit
 def _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params):
-    ch = tl.arange(0, 64)
-    s_lo = tl.load(cache_f16_ptr + k_params + ch * 2).to(tl.float32)[None, :]
-    m_lo = tl.load(cache_f16_ptr + k_params + ch * 2 + 1).to(tl.float32)[None, :]
-    s_hi = tl.load(cache_f16_ptr + k_params + 128 + ch * 2).to(tl.float32)[None, :]
-    m_hi = tl.load(cache_f16_ptr + k_params + 128 + ch * 2 + 1).to(tl.float32)[None, :]
+    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params)
     return k_lo * s_lo + m_lo, k_hi * s_hi + m_hi
 
 
 @triton.jit
 def _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK: tl.constexpr):
     """Per-token dequantization, then back from the rotated space (R is its own inverse)."""
-    s_t = tl.load(cache_f16_ptr + k_params + offset * 2, mask=cached, other=0.0).to(tl.float32)[:, None]
-    m_t = tl.load(cache_f16_ptr + k_params + offset * 2 + 1, mask=cached, other=0.0).to(tl.float32)[:, None]
-    return rotate_halves_fp32(k_lo * s_t + m_t, k_hi * s_t + m_t, HADAMARD_BLOCK)
+    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, cached)
+    return rotate_halves_fp32(k_lo * s_t[:, None] + m_t[:, None], k_hi * s_t[:, None] + m_t[:, None], HADAMARD_BLOCK)
 
 
 @triton.jit
@@ -76,11 +71,9 @@ def _gather_dense_kernel(
 
         v_bytes = tl.load(cache_u8_ptr + page + 64 * BLOCK_SIZE + offset[:, None] * 64 + ch[None, :],
                           mask=cached[:, None], other=0)
-        v_params = (page + 128 * BLOCK_SIZE) // 2 + offset * 2
-        s_v = tl.load(cache_f16_ptr + v_params, mask=cached, other=0.0).to(tl.float32)[:, None]
-        m_v = tl.load(cache_f16_ptr + v_params + 1, mask=cached, other=0.0).to(tl.float32)[:, None]
-        v_lo = (v_bytes & 15).to(tl.float32) * s_v + m_v
-        v_hi = (v_bytes >> 4).to(tl.float32) * s_v + m_v
+        s_v, m_v = load_token_params(cache_f16_ptr, (page + 128 * BLOCK_SIZE) // 2, offset, cached)
+        v_lo = (v_bytes & 15).to(tl.float32) * s_v[:, None] + m_v[:, None]
+        v_hi = (v_bytes >> 4).to(tl.float32) * s_v[:, None] + m_v[:, None]
         if ROTATE_V:
             v_lo, v_hi = rotate_halves_fp32(v_lo, v_hi, HADAMARD_BLOCK)
 

@@ -54,6 +54,26 @@ def rotate_halves_fp32(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def load_token_params(cache_f16_ptr, params, offset, written):
+    """fp32 (scale, min) of the tokens at ``offset`` of a page's per-token params region, which starts at fp16
+    index ``params``; 0 for slots not written."""
+    scale = tl.load(cache_f16_ptr + params + offset * 2, mask=written, other=0.0).to(tl.float32)
+    minimum = tl.load(cache_f16_ptr + params + offset * 2 + 1, mask=written, other=0.0).to(tl.float32)
+    return scale, minimum
+
+
+@triton.jit
+def load_channel_params(cache_f16_ptr, params):
+    """fp32 (scale, min) of channels 0-63 and 64-127 of a closed KIVI block, each [1, 64]."""
+    ch = tl.arange(0, 64)
+    s_lo = tl.load(cache_f16_ptr + params + ch * 2).to(tl.float32)[None, :]
+    m_lo = tl.load(cache_f16_ptr + params + ch * 2 + 1).to(tl.float32)[None, :]
+    s_hi = tl.load(cache_f16_ptr + params + 128 + ch * 2).to(tl.float32)[None, :]
+    m_hi = tl.load(cache_f16_ptr + params + 128 + ch * 2 + 1).to(tl.float32)[None, :]
+    return s_lo, m_lo, s_hi, m_hi
+
+
+@triton.jit
 def finite_rows(x_lo, x_hi):
     """1 for rows whose 128 values are all finite, 0 otherwise."""
     ok_lo = (x_lo == x_lo) & (tl.abs(x_lo) != float("inf"))
