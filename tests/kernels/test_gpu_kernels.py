@@ -216,3 +216,71 @@ def test_cuda_graph_replay_of_store_and_attention_matches_eager(request, scheme_
         if step == 0:
             assert torch.equal(static_cache, eager_cache_after_0), "step 0: replayed store differs from eager"
     assert torch.equal(static_cache, eager_cache), "step 1: replayed store differs from eager"
+
+
+@pytest.mark.parametrize("scheme_name", ["kivi", "saw128"])
+def test_kernels_address_pages_past_4_gib(request, scheme_name):
+    """A layer cache larger than 2^32 bytes (a served model with few layers, or the decode benchmark's
+    256 x 32k row): the same batch stored and read with its pages spread over a 4.6 GB cache gives exactly the
+    bytes and outputs of a compact cache. Failures name the page byte offsets of the sequences that differ."""
+    scheme = SCHEMES[scheme_name]
+    gen = gpu_gen(request)
+    specs = [(int(c), 1) for c in torch.randint(1024, 4096, (24,), generator=gen, device="cuda").tolist()]
+    specs += [(2000, 300), (0, 700)]
+    batch = make_paged_batch(gen, specs, NUM_Q_HEADS, NUM_KV_HEADS, block_size=128, dtype=torch.bfloat16,
+                             device="cuda")
+    small = cache_with_prefix(batch, scheme, gen, "cuda")
+    page_bytes = small[0].numel()
+    big_blocks = (2**32 + 2**29) // page_bytes + 1
+    # compact block b lives at big block remap[b]: a random spread over the whole 4.6 GB, the null block too
+    remap = torch.randperm(big_blocks, generator=gen, device="cuda")[: batch.num_blocks]
+    big = torch.full((big_blocks, *small.shape[1:]), 0xFF, dtype=torch.uint8, device="cuda")  # fp16 NaN params
+    big[remap] = small
+    big_table = remap[batch.block_table.long()].int()
+    slot = batch.slot_mapping
+    big_slots = torch.where(slot >= 0, remap[slot.clamp(min=0) // 128] * 128 + slot % 128, slot)
+
+    def page_offsets(seq: int) -> str:
+        pages = big_table[seq, : -(-int(batch.seq_lens[seq]) // 128)].long() * page_bytes
+        return f"seq {seq}: pages at {pages.min() / 2**30:.2f}-{pages.max() / 2**30:.2f} GiB"
+
+    store_kv(batch.key, batch.value, small, batch.slot_mapping, scheme)
+    store_kv(batch.key, batch.value, big, big_slots, scheme)
+    differing_pages = (big[remap] != small).flatten(1).any(1).nonzero().flatten()
+    assert not len(differing_pages), "store wrote other bytes at pages " + ", ".join(
+        f"{int(remap[b]) * page_bytes / 2**30:.2f} GiB" for b in differing_pages[:10])
+
+    def attention(cache, table):
+        out = torch.full_like(batch.query, float("nan"))
+        paged_attention(batch.query, cache, table, batch.seq_lens, batch.query_start_loc, batch.max_query_len,
+                        SOFTMAX_SCALE, scheme, out)
+        return out
+
+    # the mixed batch (prefill path), then its 24 decode rows alone (split-KV path)
+    expected, actual = attention(small, batch.block_table), attention(big, big_table)
+    starts = batch.query_start_loc.tolist()
+    wrong = [s for s in range(len(specs))
+             if not torch.equal(actual[starts[s]:starts[s + 1]], expected[starts[s]:starts[s + 1]])]
+    assert not wrong, "attention differs for " + "; ".join(page_offsets(s) for s in wrong[:6])
+    decode = slice(0, 24)
+    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, "cuda")
+    qsl = torch.arange(25, dtype=torch.int32, device="cuda")
+    outs = []
+    for cache, table in ((small, batch.block_table), (big, big_table)):
+        out = torch.full_like(batch.query[decode], float("nan"))
+        paged_attention(batch.query[decode], cache, table[decode], batch.seq_lens[decode], qsl, 1, SOFTMAX_SCALE,
+                        scheme, out, workspace=workspace)
+        outs.append(out)
+    wrong = [s for s in range(24) if not torch.equal(outs[0][s], outs[1][s])]
+    assert not wrong, "split-KV decode differs for " + "; ".join(page_offsets(s) for s in wrong[:6])
+
+    cu_seqlens_k = torch.cat([batch.seq_lens.new_zeros(1), batch.seq_lens.cumsum(0)]).int()
+    dense = []
+    for cache, table in ((small, batch.block_table), (big, big_table)):
+        dense_k = torch.full((int(cu_seqlens_k[-1]), NUM_KV_HEADS, 128), float("nan"), dtype=torch.bfloat16,
+                             device="cuda")
+        dense_v = torch.full_like(dense_k, float("nan"))
+        gather_dense_kv(batch.key, batch.value, cache, table, batch.seq_lens, batch.query_start_loc, cu_seqlens_k,
+                        int(batch.seq_lens.max()), scheme, dense_k, dense_v)
+        dense.append((dense_k, dense_v))
+    assert torch.equal(dense[0][0], dense[1][0]) and torch.equal(dense[0][1], dense[1][1]), "dense gather differs"
