@@ -63,7 +63,8 @@ def free_port() -> int:
 
 
 def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict:
-    """Run this script in a subprocess (a phase worker); its last 'RESULT {json}' line is the result."""
+    """Run this script in a subprocess (a phase worker). Its 'RESULT {json}' lines, merged, are the result: a
+    worker prints one per finished unit of work, so what finished survives a worker that runs out of time."""
     start = time.monotonic()
     with open(log_path, "w") as log:
         try:
@@ -73,8 +74,10 @@ def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict
         except subprocess.TimeoutExpired:
             code = "timeout"
     text = open(log_path).read()
-    results = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    result = json.loads(results[-1][7:]) if results else {}
+    result: dict = {}
+    for line in text.splitlines():
+        if line.startswith("RESULT "):
+            result.update(json.loads(line[7:]))
     result.update(exit=code, seconds=round(time.monotonic() - start, 1), log=os.path.basename(log_path))
     if code != 0:
         result["tail"] = text[-3000:]
@@ -166,22 +169,21 @@ def engine_checks(model: str, kind: str, eager: bool) -> dict:
     return result
 
 
-def matrix_worker(eager: bool) -> dict:
+def matrix_worker(name: str, eager: bool) -> None:
+    """bf16 then both schemes on one tiny model, one engine after another; a RESULT line after each."""
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    results = {}
-    for name, model in tiny_models().items():
-        for kind in ("bf16", *SCHEMES):
-            start = time.monotonic()
-            try:
-                results[f"{name}/{kind}"] = engine_checks(model, kind, eager)
-            except Exception as err:
-                results[f"{name}/{kind}"] = {"error": f"{type(err).__name__}: {err}"[:800]}
-            gc.collect()
-            cleanup_dist_env_and_memory()
-            results[f"{name}/{kind}"]["seconds"] = round(time.monotonic() - start, 1)
-            print(f"[matrix] {name}/{kind}: {json.dumps(results[f'{name}/{kind}'])[:400]}", flush=True)
-    return results
+    for kind in ("bf16", *SCHEMES):
+        start = time.monotonic()
+        try:
+            result = engine_checks(tiny_models()[name], kind, eager)
+        except Exception as err:
+            result = {"error": f"{type(err).__name__}: {err}"[:800]}
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        result["seconds"] = round(time.monotonic() - start, 1)
+        print(f"[matrix] {name}/{kind}: {json.dumps(result)[:400]}", flush=True)
+        print("RESULT " + json.dumps({f"{name}/{kind}": result}), flush=True)
 
 
 def judge_matrix(results: dict) -> list[str]:
@@ -210,15 +212,17 @@ def judge_matrix(results: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # phase 3: OpenAI servers
 # ---------------------------------------------------------------------------------------------------------------
-def server_worker(model: str, scheme: str, raw_vllm: bool, out: str) -> dict:
+def server_worker(model: str, scheme: str, raw_vllm: bool, out: str, timeout_s: float) -> dict:
     from openai import BadRequestError, OpenAI
 
     from s4kv.runtime.demo import stop, wait_until_healthy
     from s4kv.runtime.tiny_model import FACTS, chat_text
 
     port, served = free_port(), "tiny"
+    # CUDA graphs on (the default), captured for batch sizes up to 32 only: a shorter start on a shared GPU
     common = ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", served, "--max-model-len", "1024",
-              "--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(256 * 2**20)]
+              "--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(256 * 2**20), "--max-num-seqs", "32",
+              "--compilation-config", json.dumps({"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]})]
     if raw_vllm:
         command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--kv-cache-dtype",
                    "int4_per_token_head", "--attention-backend", "CUSTOM", "--additional-config",
@@ -231,7 +235,7 @@ def server_worker(model: str, scheme: str, raw_vllm: bool, out: str) -> dict:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         start = time.monotonic()
-        wait_until_healthy(f"http://127.0.0.1:{port}", server, timeout_s=240)
+        wait_until_healthy(f"http://127.0.0.1:{port}", server, timeout_s=timeout_s)
         checks["startup_s"] = round(time.monotonic() - start, 1)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -286,26 +290,34 @@ def drive(out: str, budget_s: float) -> int:
     summary: dict[str, object] = {}
 
     print("[e2e] phase 1: KV capacity (alone on the GPU)", flush=True)
-    summary["capacity"] = capacity_phase(out, env, deadline - 200)
+    summary["capacity"] = capacity_phase(out, env, deadline - 300)
 
-    print("[e2e] phase 2+3: engine matrix (4 workers) and 2 OpenAI servers, side by side", flush=True)
+    print("[e2e] phase 2+3: engine matrix (8 workers) and 2 OpenAI servers, side by side", flush=True)
     remaining = max(30, deadline - time.monotonic() - 10)
     jobs = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=10) as pool:
         for runner in ("0", "1"):
             for eager in (False, True):
                 key = f"runner_v{'2' if runner == '1' else '1'}_{'eager' if eager else 'graphs'}"
                 worker_env = dict(env, VLLM_USE_V2_MODEL_RUNNER=runner)
-                jobs[key] = pool.submit(run_child, ["matrix", "--out", out] + (["--eager"] if eager else []),
-                                        worker_env, remaining, os.path.join(out, f"{key}.log"))
+                for name in tiny_models():
+                    jobs[(key, name)] = pool.submit(
+                        run_child, ["matrix", "--out", out, "--model", name] + (["--eager"] if eager else []),
+                        worker_env, remaining, os.path.join(out, f"{key}_{name}.log"))
         models = tiny_models()
         for scheme, model, raw in (("int4_kivi", models["qwen2"], False), ("int4_saw", models["llama3"], True)):
             key = f"server_{scheme}_{'vllm_serve' if raw else 's4kv_serve'}"
-            jobs[key] = pool.submit(run_child, ["server", "--out", out, "--scheme", scheme, "--model", model]
-                                    + (["--raw"] if raw else []), dict(os.environ), remaining,
-                                    os.path.join(out, f"{key}.log"))
-        for key, job in jobs.items():
-            summary[key] = job.result()
+            jobs[(key, None)] = pool.submit(
+                run_child, ["server", "--out", out, "--scheme", scheme, "--model", model, "--timeout-s",
+                            str(remaining - 60)] + (["--raw"] if raw else []),
+                dict(os.environ), remaining, os.path.join(out, f"{key}.log"))
+        for (key, name), job in jobs.items():
+            result = job.result()
+            if name is None:
+                summary[key] = result
+            else:  # the engines' results, and the worker's exit/seconds/log under its model's name
+                worker = {field: result.pop(field) for field in ("exit", "seconds", "log", "tail") if field in result}
+                summary.setdefault(key, {}).update(result, **{f"worker_{name}": worker})
 
     failures = [f"capacity {kind}: not measured (exit {entry.get('exit')})"
                 for kind, entry in summary["capacity"].items() if not entry.get("vllm_line")]
@@ -325,7 +337,8 @@ def drive(out: str, budget_s: float) -> int:
         print(f"KV capacity {kind:>20}: {entry.get('vllm_line') or 'not measured (see ' + entry['log'] + ')'}")
     for key, value in summary.items():
         if key.startswith(("runner_", "server_")):
-            print(f"{key}: exit {value.get('exit')} in {value.get('seconds')} s")
+            workers = [value] if key.startswith("server_") else [v for k, v in value.items() if k.startswith("worker_")]
+            print(f"{key}: " + ", ".join(f"exit {w.get('exit')} in {w.get('seconds')} s" for w in workers))
     print(f"{len(failures)} failure(s)" + "".join(f"\n  {line}" for line in failures))
     return 0 if not failures else 1
 
@@ -338,7 +351,8 @@ def main() -> int:
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--kind", choices=CAPACITY_KINDS)
     parser.add_argument("--scheme", choices=SCHEMES)
-    parser.add_argument("--model")
+    parser.add_argument("--model", help="matrix: a tiny model's name; server: its folder")
+    parser.add_argument("--timeout-s", type=float, default=240, help="server: how long it may take to start")
     parser.add_argument("--raw", action="store_true", help="server: plain `vllm serve` flags instead of `s4kv serve`")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -347,9 +361,10 @@ def main() -> int:
     if args.phase == "capacity":
         result = capacity_worker(args.kind, args.out)
     elif args.phase == "matrix":
-        result = matrix_worker(args.eager)
+        matrix_worker(args.model, args.eager)
+        return 0
     else:
-        result = server_worker(args.model, args.scheme, args.raw, args.out)
+        result = server_worker(args.model, args.scheme, args.raw, args.out, args.timeout_s)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
