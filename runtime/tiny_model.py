@@ -182,4 +182,4 @@ def build(out_dir: str, steps: int = 400, log=print) -> list[str]:
 
 def bundled_model_dir(name: str = QWEN2) -> str:
     """The committed tiny model folder in this repository (models/NAME)."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", name)
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "models", name)
