@@ -284,13 +284,15 @@ def server_worker(model: str, scheme: str, raw_vllm: bool, out: str, timeout_s: 
 # ---------------------------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------------------------
-def drive(out: str, budget_s: float) -> int:
+def drive(out: str, budget_s: float, with_capacity: bool) -> int:
     deadline = time.monotonic() + budget_s
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     summary: dict[str, object] = {}
 
-    print("[e2e] phase 1: KV capacity (alone on the GPU)", flush=True)
-    summary["capacity"] = capacity_phase(out, env, deadline - 300)
+    summary["capacity"] = {}
+    if with_capacity:
+        print("[e2e] phase 1: KV capacity (alone on the GPU)", flush=True)
+        summary["capacity"] = capacity_phase(out, env, deadline - 300)
 
     print("[e2e] phase 2+3: engine matrix (8 workers) and 2 OpenAI servers, side by side", flush=True)
     remaining = max(30, deadline - time.monotonic() - 10)
@@ -348,6 +350,7 @@ def main() -> int:
     parser.add_argument("phase", nargs="?", default="all", choices=("all", "capacity", "matrix", "server"))
     parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="s4kv_e2e_"))
     parser.add_argument("--budget-s", type=float, default=420, help="wall-clock budget of the whole run")
+    parser.add_argument("--no-capacity", action="store_true", help="skip phase 1 (the KV capacity of 5 formats)")
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--kind", choices=CAPACITY_KINDS)
     parser.add_argument("--scheme", choices=SCHEMES)
@@ -357,7 +360,7 @@ def main() -> int:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.phase == "all":
-        return drive(args.out, args.budget_s)
+        return drive(args.out, args.budget_s, not args.no_capacity)
     if args.phase == "capacity":
         result = capacity_worker(args.kind, args.out)
     elif args.phase == "matrix":

@@ -25,7 +25,7 @@ rm -rf "$work" && mkdir -p "$OUT" "$work"
 # 560 s for everything, install included (the device call allows 600): the Python part plans its phases within what is left
 LEFT=$((560 - SECONDS))
 status=0
-timeout "$LEFT" "$PY" tools/device_plugin_e2e.py --out "$work" --budget-s "$((LEFT - 30))" || status=$?
+timeout "$LEFT" "$PY" tools/device_plugin_e2e.py --out "$work" --budget-s "$((LEFT - 30))" "$@" || status=$?
 [ -f "$work/device_plugin_e2e.json" ] && cp "$work/device_plugin_e2e.json" "$OUT/"
 tar -czf "$OUT/device_plugin_e2e_logs.tar.gz" -C "$work" --exclude='qwen2.5-7b-shape' .
 exit $status
