@@ -48,6 +48,10 @@ def add_arguments(parser) -> None:
     # vLLM engine
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (starts faster)")
+    parser.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
+                        help="prefill at most TOKENS tokens per engine step (chunked prefill), so that teacher-forced "
+                             "positions read their earlier context back from the KV cache as decode does; 0: vLLM's "
+                             "default, where one prompt is one chunk and S4 KV attends to its own fresh tokens in bf16")
     # torch engine
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -84,12 +88,19 @@ def parse_formats(text: str) -> list[str]:
 Records = dict[str, tuple[TeacherForced, Greedy]]
 
 
+def prefill_chunking(tokens: int) -> dict:
+    """Engine kwargs that cap a step's prefill at ``tokens`` (vLLM needs max_num_seqs <= the token budget)."""
+    if tokens <= 0:
+        return {}
+    return {"enable_chunked_prefill": True, "max_num_batched_tokens": tokens, "max_num_seqs": min(tokens, 256)}
+
+
 def vllm_records(args, model: str, fmt: str, inputs: list[RegimeInputs], max_len: int, workdir: Path) -> Records:
     """Run one format in its own vLLM process and read its records back."""
     spec = {
         "model": model, "format": fmt, "top_k": args.top_k, "out": str(workdir / f"{fmt}.npz"),
         "engine": {"max_model_len": max_len, "gpu_memory_utilization": args.gpu_memory_utilization,
-                   "enforce_eager": args.enforce_eager},
+                   "enforce_eager": args.enforce_eager, **prefill_chunking(args.prefill_chunk)},
         "regimes": [{"name": i.regime.name, "windows": i.windows, "prompts": i.prompts, "generate": i.regime.generate}
                     for i in inputs],
     }
