@@ -2,7 +2,8 @@
 
 The same token ids go through vLLM (bf16 weights and KV) and through the torch engine (float32, K/V rounded
 to bf16): teacher-forced records must agree up to bf16 arithmetic, which checks that the worker reads vLLM's
-prompt log-probs at the right positions and in rank order. About 30 s (one CPU engine start).
+prompt log-probs at the right positions and in rank order, also when `--prefill-chunk` splits every window
+into engine steps of 16 tokens. About 30 s per CPU engine start.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from quality_helpers import heldout_texts
 
 from s4kv.runtime.eval_data import Regime, build_inputs
 from s4kv.runtime.eval_torch import TORCH_FORMATS, load_model, run_format
-from s4kv.runtime.evaluate import compare, vllm_records
+from s4kv.runtime.evaluate import compare, prefill_chunking, vllm_records
 
 pytestmark = [
     pytest.mark.slow,
@@ -24,13 +25,14 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("tiny_model", ["qwen2"], indirect=True)  # the worker is model-agnostic; one start is enough
-def test_vllm_records_match_the_torch_engine(tiny_model, tmp_path):
+@pytest.mark.parametrize("prefill_chunk", [0, 16], ids=["one-chunk", "16-token-chunks"])
+@pytest.mark.parametrize("tiny_model", ["qwen2"], indirect=True)  # the worker is model-agnostic; one model is enough
+def test_vllm_records_match_the_torch_engine(tiny_model, tmp_path, prefill_chunk):
     from transformers import AutoTokenizer
 
     regimes = [Regime("short", 3, 64, 2, 16, 6)]
     inputs = build_inputs(AutoTokenizer.from_pretrained(tiny_model), heldout_texts(), regimes)
-    args = argparse.Namespace(top_k=5, gpu_memory_utilization=0.5, enforce_eager=True)
+    args = argparse.Namespace(top_k=5, gpu_memory_utilization=0.5, enforce_eager=True, prefill_chunk=prefill_chunk)
     from_vllm = vllm_records(args, str(tiny_model), "bf16_fa3", inputs, 512, tmp_path)
     from_torch = run_format(load_model(str(tiny_model)), inputs, TORCH_FORMATS["bf16_fa3"], top_k=5)
     vllm_tf, torch_tf = from_vllm["short"][0], from_torch["short"][0]
@@ -39,3 +41,9 @@ def test_vllm_records_match_the_torch_engine(tiny_model, tmp_path):
     np.testing.assert_allclose(vllm_tf.target_logprobs, torch_tf.target_logprobs, atol=0.15)
     metrics = compare(from_torch, from_vllm)["short"]
     assert metrics["top1_agreement"] > 0.9 and metrics["mean_kl"] < 0.01, metrics
+
+
+def test_prefill_chunk_caps_the_step_and_the_batch():
+    assert prefill_chunking(0) == {}
+    assert prefill_chunking(64) == {"enable_chunked_prefill": True, "max_num_batched_tokens": 64, "max_num_seqs": 64}
+    assert prefill_chunking(4096)["max_num_seqs"] == 256
