@@ -26,19 +26,7 @@ if [ "${1:-}" = e2e ]; then run_e2e=1; shift; fi
 [ $# -eq 0 ] || [ "$run_e2e" = 1 ] || { echo "$usage"; exit 2; }
 limit=${LIMIT_S:-570}
 
-if [ ! -f /tmp/site/vllm/__init__.py ]; then
-  [ -f .vlb/vllm026-base.tar.xz ] || { echo "vLLM is not installed there and .vlb was not carried"; exit 2; }
-  PREFLIGHT=0 bash .vlb/install_vllm_bundle.sh .vlb >/tmp/vlb.log 2>&1 || { tail -40 /tmp/vlb.log; exit 1; }
-fi
-# s4kv is not pip-installed there: expose runtime/ and kernels/ under their namespaced names, plus a
-# dist-info whose entry point lets every vLLM process load the plugin (vllm.general_plugins).
-site=/tmp/s4kv-path
-mkdir -p "$site/s4kv" "$site/s4kv-0.1.0.dist-info"
-ln -sfn "$PWD/runtime" "$site/s4kv/runtime" && ln -sfn "$PWD/kernels" "$site/s4kv/kernels"
-printf 'Metadata-Version: 2.1\nName: s4kv\nVersion: 0.1.0\n' >"$site/s4kv-0.1.0.dist-info/METADATA"
-printf '[vllm.general_plugins]\ns4kv = s4kv.runtime.plugin:register\n' >"$site/s4kv-0.1.0.dist-info/entry_points.txt"
-export PYTHONPATH=/tmp/site:$site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-  PYTHONUNBUFFERED=1
+. tools/device_env.sh  # vLLM from .vlb once per machine, the s4kv import shim, the environment
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
 
 status=0

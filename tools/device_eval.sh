@@ -12,20 +12,8 @@ cd "$(dirname "$0")/.."
 : "${OUT:?OUT must be set (the device call sets it)}"
 MODELS=${MODELS:-"models/s4kv-ref-qwen2 models/s4kv-ref-llama3"}
 for m in $MODELS; do [ -f "$m/config.json" ] || { echo "no $m/config.json: train and commit the models first"; exit 2; }; done
-VLLM_SITE=${VLLM_SITE:-/tmp/site}  # where the bundle installs vLLM (install_vllm_bundle.sh's DEST)
-if [ ! -f "$VLLM_SITE/vllm/__init__.py" ]; then
-  [ -f .vlb/vllm026-base.tar.xz ] || { echo "vLLM is not installed there and .vlb was not carried"; exit 2; }
-  DEST=$VLLM_SITE PREFLIGHT=0 bash .vlb/install_vllm_bundle.sh .vlb >/tmp/vlb.log 2>&1 || { tail -40 /tmp/vlb.log; exit 1; }
-fi
-# s4kv is not pip-installed there: expose runtime/ and kernels/ under their namespaced names, plus a
-# dist-info whose entry point lets every vLLM process load the plugin (vllm.general_plugins).
-site=$(mktemp -d /tmp/s4kv-eval-site.XXXXXX)
-mkdir -p "$site/s4kv" "$site/s4kv-0.1.0.dist-info"
-ln -sfn "$PWD/runtime" "$site/s4kv/runtime" && ln -sfn "$PWD/kernels" "$site/s4kv/kernels"
-printf 'Metadata-Version: 2.1\nName: s4kv\nVersion: 0.1.0\n' >"$site/s4kv-0.1.0.dist-info/METADATA"
-printf '[vllm.general_plugins]\ns4kv = s4kv.runtime.plugin:register\n' >"$site/s4kv-0.1.0.dist-info/entry_points.txt"
-export PYTHONPATH=$VLLM_SITE:$site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-  PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+. tools/device_env.sh  # vLLM from .vlb once per machine, the s4kv import shim, the environment
+export TOKENIZERS_PARALLELISM=false
 status=0
 for m in $MODELS; do
   name=$(basename "$m")

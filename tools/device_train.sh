@@ -12,10 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must be set (the device call sets it)}"
 [ -f .corpus/train.txt.xz ] || { echo "no .corpus/train.txt.xz: build it and name .corpus in carry"; exit 2; }
-# s4kv is not installed there: expose runtime/ and kernels/ under their namespaced import names.
-site=$(mktemp -d /tmp/s4kv-train-site.XXXXXX)
-mkdir -p "$site/s4kv" && ln -s "$PWD/runtime" "$site/s4kv/runtime" && ln -s "$PWD/kernels" "$site/s4kv/kernels"
-export PYTHONPATH=$site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+S4KV_NEEDS_VLLM=0 . tools/device_env.sh  # the s4kv import shim only (no vLLM needed)
+export TOKENIZERS_PARALLELISM=true
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
 python3 tools/train_reference.py --out "$OUT" --seconds-per-model "${SECONDS_PER_MODEL:-190}" ${TRAIN_ARGS:-}

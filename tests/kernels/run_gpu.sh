@@ -10,13 +10,8 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/s4kv-kernel-tests}
 export OUT
 mkdir -p "$OUT"
-if ! python -c "import s4kv.kernels" 2>/dev/null; then
-  # not installed there: a namespace-package shim maps s4kv.kernels / s4kv.runtime to the repository folders
-  shim=$(mktemp -d)
-  mkdir -p "$shim/s4kv"
-  ln -s "$PWD/kernels" "$shim/s4kv/kernels"
-  ln -s "$PWD/runtime" "$shim/s4kv/runtime"
-  export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
+if ! python3 -c "import s4kv.kernels" 2>/dev/null; then
+  S4KV_NEEDS_VLLM=0 . tools/device_env.sh  # not installed there: the s4kv import shim
 fi
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
 timeout 540 python -m pytest tests/kernels -s -q -p no:cacheprovider --durations=10 \
