@@ -1,9 +1,11 @@
 """Results of `s4kv bench`: parse engine logs, merge runs from several calls, build the table with ratios.
 
-A results document is ``{"meta": {...}, "runs": [run, ...]}``; a run is one engine process:
-``{"format", "engine": EngineSettings.as_dict(), "workloads": [names], "status": "ok" | "failed" | "skipped",
-"kv_cache_tokens", "startup_s", "results": {workload: {"wall_s", "output_tok_s", ...}}, "error"}``.
-Runs from several device calls are concatenated; for each (format, workload) the last ok run counts.
+A results document is ``{"meta": {...}, "runs": [run, ...]}``; a run is one engine process (or the replicas of a
+data-parallel run): ``{"format", "model", "engine": EngineSettings.as_dict(), "workloads": [names],
+"status": "ok" | "failed" | "skipped", "kv_cache_tokens", "startup_s", "results": {workload: {"wall_s",
+"output_tok_s", ...}}, "error"}``. Runs from several device calls are concatenated; for each (format, workload,
+parallel layout, model) the last ok run counts. Rows of one GPU keep their plain keys ("short",
+"kv:gmu0.90-seqs256"); a parallel layout adds "@tp2" / "-tp2", and a document with several models adds ":model".
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench_engine import RESULT_PREFIX
-from .bench_matrix import BASELINE, FORMATS, WORKLOADS, EngineSettings
+from .bench_matrix import ALL_WORKLOADS, BASELINE, FORMATS, EngineSettings
 
 KV_CACHE_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 # issue 4's targets for our schemes, as ratios to bf16 + FA3
@@ -108,26 +110,54 @@ def _cells(runs, formats, accept, value_of) -> dict[str, Cell]:
 
 
 def build_table(doc: dict[str, Any], formats: list[str] | None = None) -> list[Row]:
-    """Capacity rows (one per engine setting seen) then one row per workload, columns in FORMATS order."""
+    """Capacity rows (one per engine setting and model seen) then one row per workload, parallel layout and model,
+    columns in FORMATS order."""
     runs = doc["runs"]
     present = {run["format"] for run in runs}
     formats = formats or [f for f in FORMATS if f in present or f == BASELINE]
+    several_models = len({run.get("model") for run in runs if run.get("model")}) > 1
+
+    def engine_of(run: dict[str, Any]) -> EngineSettings:
+        return EngineSettings(**run["engine"])
+
+    def model_key(run: dict[str, Any]) -> str:
+        return f":{run.get('model') or '?'}" if several_models else ""
+
+    def model_prefix(run: dict[str, Any]) -> str:
+        return f"{run.get('model') or '?'}: " if several_models else ""
+
+    def capacity_key(run: dict[str, Any]) -> str:
+        return f"kv:{engine_of(run).key}{model_key(run)}"
+
+    def layout_key(run: dict[str, Any]) -> str:
+        engine = engine_of(run)
+        return (f"@{engine.parallel_key}" if engine.parallel else "") + model_key(run)
+
     rows: list[Row] = []
-    engines: dict[str, dict[str, Any]] = {}
+    firsts: dict[str, dict[str, Any]] = {}
     for run in runs:
-        engines.setdefault(EngineSettings(**run["engine"]).key, run["engine"])
-    for key, engine in engines.items():
-        accept = lambda run, key=key: EngineSettings(**run["engine"]).key == key  # noqa: E731
-        title = (f"KV capacity (tokens), gmu {engine['gpu_memory_utilization']:.2f}, "
-                 f"max_num_seqs {engine['max_num_seqs']}")
-        rows.append(Row(f"kv:{key}", title, "tokens", _cells(runs, formats, accept, lambda r: r["kv_cache_tokens"])))
-    for name, workload in WORKLOADS.items():
-        if not any(name in run["workloads"] for run in runs):
-            continue
-        accept = lambda run, name=name: name in run["workloads"]  # noqa: E731
+        firsts.setdefault(capacity_key(run), run)
+    for key, first in firsts.items():
+        engine = engine_of(first)
+        accept = lambda run, key=key: capacity_key(run) == key  # noqa: E731
+        title = (f"{model_prefix(first)}KV capacity (tokens{' per engine' if engine.parallel else ''}), "
+                 f"gmu {engine.gpu_memory_utilization:.2f}, max_num_seqs {engine.max_num_seqs}"
+                 + (f", {engine.parallel_label}" if engine.parallel else ""))
+        rows.append(Row(key, title, "tokens", _cells(runs, formats, accept, lambda r: r["kv_cache_tokens"])))
+    for name, workload in ALL_WORKLOADS.items():
+        layouts: dict[str, dict[str, Any]] = {}
+        for run in runs:
+            if name in run["workloads"]:
+                layouts.setdefault(layout_key(run), run)
         unit = "s" if workload.metric == "wall_s" else "tok/s"
         value_of = lambda r, name=name, metric=workload.metric: r["results"][name][metric]  # noqa: E731
-        rows.append(Row(name, workload.title, unit, _cells(runs, formats, accept, value_of)))
+        for layout, first in layouts.items():
+            def in_row(run: dict[str, Any], name: str = name, layout: str = layout) -> bool:
+                return name in run["workloads"] and layout_key(run) == layout
+
+            engine = engine_of(first)
+            title = model_prefix(first) + workload.title + (f", {engine.parallel_label}" if engine.parallel else "")
+            rows.append(Row(name + layout, title, unit, _cells(runs, formats, in_row, value_of)))
     return rows
 
 

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Issue 6 on the lent 2-GPU machine (kind nvidia-h200-x2), vLLM 0.26.0 from the offline bundle, in one device call:
+#   tp  Llama-3.1-70B-Instruct shape (configs/llama-3.1-70b-instruct.json, dummy weights, 70.5 GB per GPU),
+#       tensor parallel 2, workload short128 (128 x 1024 in / 128 out), one engine over both GPUs
+#   dp  Qwen2.5-7B-Instruct shape, data parallel 2: one engine per GPU, each with half of workload short
+#       (256 x 1024 in / 256 out), throughput summed (what `vllm serve --data-parallel-size 2` runs for a dense model)
+# each for s4kv int4_kivi, bf16 + FA3 and s4kv int4_saw, in that order, through `s4kv bench` (docs/parallel.md).
+#
+# Once, here (the bundle, about 52 MB, git-ignored; the same as for tools/device_bench.sh):
+#   echo /.vlb/ >> .git/info/exclude
+#   mkdir -p .vlb && cp /work/shared/devicekit/{vllm026-*.tar.xz,*.sh,*.py,SHA256SUMS} .vlb/
+# Then one device call, kind nvidia-h200-x2, carry [".vlb"], timeout_s 600:
+#   bash tools/device_parallel.sh                 # = tp dp: both layouts, every configuration that fits
+#   bash tools/device_parallel.sh dp tp=s4kv_saw  # a later call: what the first one skipped
+# A step is `tp` or `dp`, optionally `=CONFIGS` (a comma list for `s4kv bench --configs`, started in that order).
+# Everything shares LIMIT_S (default 570 s) from this script's start, the bundle's install included: each step's
+# `s4kv bench --budget-s` gets what is left, and an engine that would not fit is recorded as `skipped` with the
+# reason. Back in $OUT (5 files): results.json, table.md, plot.svg (all steps merged), logs.tar.gz (every
+# engine's log and spec) and parallel.log (this script's output). DRY_RUN=1 prints the plans and stops (no GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?OUT must be set (the device call sets it)}"
+limit=${LIMIT_S:-570}
+PY=${PYTHON:-python3}
+DEFAULT_CONFIGS=s4kv_kivi,bf16_fa3,s4kv_saw
+TP_ARGS=(--model configs/llama-3.1-70b-instruct.json --tensor-parallel-size 2 --workloads short128)
+DP_ARGS=(--model configs/qwen2.5-7b-instruct.json --data-parallel-size 2 --workloads short)
+RESERVE_S=15  # merge, tarball
+
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(tp dp)
+for step in "${steps[@]}"; do
+  [[ "$step" =~ ^(tp|dp)(=[a-z0-9_,]+)?$ ]] || { echo "usage: device_parallel.sh [tp[=CONFIGS]] [dp[=CONFIGS]] ..."; exit 2; }
+done
+
+# NVLink multicast stays off on the shared host (KINDS.md): NCCL, PyTorch and NVSHMEM, and vLLM's symmetric-memory
+# all-reduce, which would rendezvous multicast buffers; all-reduces go through vLLM's custom all-reduce or NCCL.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+
+log="$OUT/parallel.log"
+say() { echo "$*" | tee -a "$log"; }
+: >"$log"
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  S4KV_NEEDS_VLLM=0 . tools/device_env.sh  # the s4kv import shim only: plans need no vLLM and no GPU
+else
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  [ "${gpus:-0}" -ge 2 ] || { say "needs 2 GPUs, found ${gpus:-0}: run it on kind nvidia-h200-x2"; exit 2; }
+  . tools/device_env.sh  # vLLM from .vlb once per machine, the s4kv import shim (every worker loads the plugin)
+  say "[parallel] vLLM ready after ${SECONDS} s"
+  { nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+    nvidia-smi topo -m; } 2>&1 | tee -a "$log" || true
+fi
+
+work=${WORK_DIR:-/tmp/s4kv-parallel}
+rm -rf "$work" && mkdir -p "$work"
+status=0
+i=0
+for step in "${steps[@]}"; do
+  i=$((i + 1))
+  kind=${step%%=*}
+  configs=$DEFAULT_CONFIGS
+  [ "$step" = "$kind" ] || configs=${step#*=}
+  if [ "$kind" = tp ]; then args=("${TP_ARGS[@]}"); else args=("${DP_ARGS[@]}"); fi
+  left=$((limit - SECONDS - RESERVE_S))
+  [ "$left" -gt 0 ] || left=0
+  dry=()
+  [ "${DRY_RUN:-0}" = 1 ] && dry=(--dry-run)
+  say "[parallel] step $i: $kind, configs $configs, ${left} s left"
+  set +e
+  "$PY" -m s4kv.runtime.cli bench --in-order --configs "$configs" --out "$work/step$i-$kind" --budget-s "$left" \
+    "${args[@]}" "${dry[@]}" 2>&1 | tee -a "$log"
+  code=${PIPESTATUS[0]}
+  set -e
+  [ "$code" = 0 ] || status=$code
+done
+[ "${DRY_RUN:-0}" = 1 ] && exit $status
+
+shopt -s nullglob
+results=("$work"/step*/results.json)
+if [ ${#results[@]} -gt 0 ]; then
+  "$PY" -m s4kv.runtime.cli bench --merge "${results[@]}" --out "$work/all" 2>&1 | tee -a "$log" || status=1
+  for f in results.json table.md plot.svg; do [ -f "$work/all/$f" ] && cp "$work/all/$f" "$OUT/"; done
+fi
+logs=("$work"/step*/logs)
+[ ${#logs[@]} -gt 0 ] && tar -czf "$OUT/logs.tar.gz" -C "$work" "${logs[@]#"$work"/}"
+say "[parallel] done in ${SECONDS} s, exit $status"
+exit $status
