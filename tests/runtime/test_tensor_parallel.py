@@ -42,11 +42,11 @@ def llama70b(tmp_path_factory, request):
     return write_model_dir(tmp_path_factory.mktemp("models"), "llama-3.1-70b-instruct", config)
 
 
-def vllm_config(model_dir, tp: int, scheme: str | None = "int4_kivi"):
+def vllm_config(model_dir, tp: int, scheme: str | None = "int4_kivi", dp: int = 1):
     from vllm.engine.arg_utils import EngineArgs
 
     args = {"model": str(model_dir), "skip_tokenizer_init": True, "load_format": "dummy", "max_model_len": 2048,
-            "tensor_parallel_size": tp}
+            "tensor_parallel_size": tp, "data_parallel_size": dp}
     if scheme:
         args.update(S4KV_ARGS, additional_config={"s4kv": {"scheme": scheme}})
     return EngineArgs(**args).create_engine_config()
@@ -101,14 +101,17 @@ def test_backend_is_sized_from_the_heads_of_one_rank(llama70b, tp):
 
 
 def test_capacity_plan_counts_kv_bytes_per_rank_as_vllm_pages_do(llama70b):
-    """`s4kv capacity` (what the CDK toolkit deploys) plans the 70B at TP 2 on an 8 x H200 instance and sizes its
-    int4 blocks per GPU from the KV heads of one rank, as vLLM's page spec does."""
+    """`s4kv capacity` (what the CDK toolkit deploys) plans the 70B at TP 2 x DP 4 on an 8 x H200 instance, vLLM's
+    config of exactly those flags passes our checks, and the plan sizes int4 blocks per GPU from the KV heads of one
+    rank, as vLLM's page spec does."""
     model = model_shapes.load(str(llama70b))
     instance = catalog.instance_type("p5en.48xlarge")
     plan = capacity.plan(model, instance, "int4_kivi", context=8192)
     assert (plan.tensor_parallel, plan.data_parallel) == (2, 4)
     assert plan.vllm_args()[:4] == ["--tensor-parallel-size", "2", "--data-parallel-size", "4"]
-    config = vllm_config(llama70b, plan.tensor_parallel)
+    config = vllm_config(llama70b, plan.tensor_parallel, dp=plan.data_parallel)
+    assert config.parallel_config.world_size_across_dp == 8
+    assert check_vllm_config(config) == S4KVConfig.parse({"scheme": "int4_kivi"})
     kv_heads = config.model_config.get_num_kv_heads(config.parallel_config)
     spec = int4_page_spec(kv_heads)
     fmt = capacity.KV_FORMATS["int4"]
