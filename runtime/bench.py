@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for results.json, table.md, plot.svg and engine logs")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="wall-clock budget for all engines: an engine whose start plus workloads (at the speed "
-                             "issue 4 measured for its format, else the slowest) would not fit is skipped, not started")
+                             "issue 4 measured for its format, else the slowest, scaled to the model and the parallel "
+                             "layout; after a first engine, its measured start) would not fit is skipped, not started")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS_JSON",
                         help="run nothing: merge results.json files of earlier calls into one table and plot")
     parser.add_argument("--dry-run", action="store_true", help="print the engines that would run, then stop")
