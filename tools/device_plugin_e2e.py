@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -212,7 +213,7 @@ def judge_matrix(results: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # phase 3: OpenAI servers
 # ---------------------------------------------------------------------------------------------------------------
-def server_worker(model: str, scheme: str, raw_vllm: bool, out: str, timeout_s: float) -> dict:
+def server_worker(model: str, scheme: str, raw_vllm: bool, out: str, timeout_s: float, extra: list[str]) -> dict:
     from openai import BadRequestError, OpenAI
 
     from s4kv.runtime.demo import stop, wait_until_healthy
@@ -222,7 +223,7 @@ def server_worker(model: str, scheme: str, raw_vllm: bool, out: str, timeout_s: 
     # CUDA graphs on (the default), captured for batch sizes up to 32 only: a shorter start on a shared GPU
     common = ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", served, "--max-model-len", "1024",
               "--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(256 * 2**20), "--max-num-seqs", "32",
-              "--compilation-config", json.dumps({"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]})]
+              "--compilation-config", json.dumps({"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}), *extra]
     if raw_vllm:
         command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--kv-cache-dtype",
                    "int4_per_token_head", "--attention-backend", "CUSTOM", "--additional-config",
@@ -357,6 +358,8 @@ def main() -> int:
     parser.add_argument("--model", help="matrix: a tiny model's name; server: its folder")
     parser.add_argument("--timeout-s", type=float, default=240, help="server: how long it may take to start")
     parser.add_argument("--raw", action="store_true", help="server: plain `vllm serve` flags instead of `s4kv serve`")
+    parser.add_argument("--vllm-args", default="", metavar="'FLAGS'",
+                        help="server: more `vllm serve` flags, one string (e.g. --vllm-args='--tensor-parallel-size 2')")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.phase == "all":
@@ -367,7 +370,7 @@ def main() -> int:
         matrix_worker(args.model, args.eager)
         return 0
     else:
-        result = server_worker(args.model, args.scheme, args.raw, args.out, args.timeout_s)
+        result = server_worker(args.model, args.scheme, args.raw, args.out, args.timeout_s, shlex.split(args.vllm_args))
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
