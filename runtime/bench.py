@@ -108,9 +108,9 @@ def with_layout(settings: EngineSettings, tp: int, dp: int) -> EngineSettings:
 def build_plan(args: argparse.Namespace) -> list[tuple[str, EngineSettings, list[str]]]:
     """(format, engine settings with the parallel layout, workload names) per engine, in the order they start:
     engine setting by engine setting, formats in table order or, with --in-order, as --configs lists them."""
-    formats = parse_names(args.configs, FORMATS, "configs", keep_order=getattr(args, "in_order", False))
+    formats = parse_names(args.configs, FORMATS, "configs", keep_order=args.in_order)
     workloads = parse_names(args.workloads, ALL_WORKLOADS, "workloads", all_names=list(WORKLOADS))
-    tp, dp = getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1)
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
     return [(fmt, with_layout(settings, tp, dp), names) for settings, names in engine_groups(workloads)
             for fmt in formats]
 
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"s4kv bench: {err}", file=sys.stderr)
         return 2
     scale, shape = model_scale(args.model)
-    tp = getattr(args, "tensor_parallel_size", 1)
+    tp = args.tensor_parallel_size
     problem = parallel_error(shape, tp)
     if problem:
         print(f"s4kv bench: {model_label(args.model)}: {problem}", file=sys.stderr)

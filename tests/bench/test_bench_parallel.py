@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bench_helpers import bench_args
 
 from s4kv.runtime import bench, bench_report, cli
 from s4kv.runtime.bench_engine import engine_kwargs, replica_prompts, token_prompts, wait_for_replicas
@@ -56,23 +57,6 @@ FAKE_REPLICA = textwrap.dedent("""
     print("S4KV_BENCH_RESULT " + json.dumps({"startup_s": 2.0, "warmup_s": 0.5, "gpu": "Fake GPU", "vllm": "0.26.0",
                                              "workloads": results}), flush=True)
 """)
-
-
-@pytest.fixture
-def stand_in(tmp_path, monkeypatch):
-    def install(source: str, name: str) -> None:
-        (tmp_path / f"{name}.py").write_text(source)
-        monkeypatch.setattr(bench, "ENGINE_MODULE", name)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    return install
-
-
-def bench_args(out: Path, **overrides) -> argparse.Namespace:
-    args = dict(configs="all", workloads="all", model=bench.DEFAULT_MODEL, load_format="dummy", out=out,
-                budget_s=None, merge=None, dry_run=False, in_order=False, tensor_parallel_size=1,
-                data_parallel_size=1)
-    args.update(overrides)
-    return argparse.Namespace(**args)
 
 
 def parse_cli(*argv: str) -> argparse.Namespace:

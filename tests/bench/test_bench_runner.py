@@ -1,7 +1,6 @@
 """`s4kv bench` orchestration with a stand-in engine process: one process per configuration, logs parsed,
 failures and time-outs recorded (the engine process group is taken down), outputs written and merged."""
 
-import argparse
 import json
 import os
 import textwrap
@@ -9,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bench_helpers import bench_args
 
 from s4kv.runtime import bench
 from s4kv.runtime.bench_engine import FIRST_SPECIAL_TOKEN, token_prompts
@@ -38,23 +38,6 @@ HANGING_ENGINE = textwrap.dedent("""
     open(sys.argv[1] + ".grandchild", "w").write(str(child.pid))
     time.sleep(120)
 """)
-
-
-@pytest.fixture
-def stand_in(tmp_path, monkeypatch):
-    """Install an engine module under tmp_path and make bench start it instead of vLLM."""
-    def install(source: str, name: str) -> None:
-        (tmp_path / f"{name}.py").write_text(source)
-        monkeypatch.setattr(bench, "ENGINE_MODULE", name)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    return install
-
-
-def bench_args(out: Path, **overrides) -> argparse.Namespace:
-    args = dict(configs="all", workloads="all", model=bench.DEFAULT_MODEL, load_format="dummy", out=out,
-                budget_s=None, merge=None, dry_run=False)
-    args.update(overrides)
-    return argparse.Namespace(**args)
 
 
 def test_parse_names_keeps_table_order_and_rejects_unknown():
