@@ -3,7 +3,9 @@
 Used by test_plugin_cpu_engine.py in a subprocess of its own (vLLM's engine keeps process-wide state), and by
 hand: ``VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/runtime/cpu_engine_job.py models/tiny-qwen2 bf16 int4_kivi``.
 Settings force the paths that matter for a paged int4 cache: chunked prefill (prompts longer than one 64-token
-step), prompts that close a 128-token page, batches mixing prefill and decode, and prefix-cache hits.
+step), prompts that close a 128-token page, batches mixing prefill and decode, and prefix-cache hits. A scheme
+name ending in ``+ngram`` adds n-gram speculative decoding (3 draft tokens; the long prompt repeats earlier turns,
+so drafts are proposed and some accepted): verification batches, rejected drafts' slots written again.
 """
 
 from __future__ import annotations
@@ -19,12 +21,19 @@ LONG_PROMPT = "".join(chat_text(q, a) for q, a in FACTS[:7]) + chat_text(FACTS[9
 MAX_TOKENS = 24
 
 
+SPECULATIVE = "+ngram"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
 def engine_kwargs(scheme: str) -> dict:
     common = dict(
         max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True,
         enable_prefix_caching=True, enforce_eager=True, dtype="bfloat16", seed=0,
         gpu_memory_utilization=0.3, kv_cache_memory_bytes=32 * 2**20,
     )
+    if scheme.endswith(SPECULATIVE):
+        scheme = scheme.removesuffix(SPECULATIVE)
+        common.update(speculative_config=NGRAM, disable_log_stats=False)
     if scheme == "bf16":
         return common
     return dict(common, kv_cache_dtype="int4_per_token_head", attention_config={"backend": "CUSTOM"},
@@ -33,6 +42,12 @@ def engine_kwargs(scheme: str) -> dict:
 
 def attention_impls(model) -> list[str]:
     return sorted({type(module.impl).__name__ for module in model.modules() if hasattr(module, "impl")})
+
+
+def accepted_draft_tokens(llm) -> int:
+    """Draft tokens the target model accepted (the engine must keep stats: disable_log_stats=False)."""
+    counts = [m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"]
+    return int(sum(counts))
 
 
 def run_scheme(model: str, scheme: str) -> dict:
@@ -53,6 +68,7 @@ def run_scheme(model: str, scheme: str) -> dict:
         "num_blocks": core.vllm_config.cache_config.num_gpu_blocks,
         "block_size": core.vllm_config.cache_config.block_size,
         "attention_impls": llm.apply_model(attention_impls)[0],
+        "accepted_draft_tokens": accepted_draft_tokens(llm) if scheme.endswith(SPECULATIVE) else None,
     }
     del llm, core
     gc.collect()

@@ -3,7 +3,8 @@ int4_saw KV, compared with the same engine's bf16 KV (vLLM's own CPU attention).
 
 The tiny models memorize their answers (runtime/tiny_model.py), so greedy outputs have wide logit margins and
 int4 KV must reproduce bf16 token for token. Prompts close a 128-token page in chunked prefill, batches mix
-prefill and decode, and a repeated prompt is served from the prefix cache. About 2-3 minutes per model on 2 cores.
+prefill and decode, and a repeated prompt is served from the prefix cache; int4_saw also runs under n-gram
+speculative decoding (int4_kivi refuses it at start-up). About 3-4 minutes per model on 2 cores.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from s4kv.runtime.tiny_model import FACTS, LLAMA3, QWEN2, bundled_model_dir
 
 pytest.importorskip("vllm")
 JOB = Path(__file__).with_name("cpu_engine_job.py")
-SCHEMES = ("bf16", "int4_kivi", "int4_saw")
+SCHEMES = ("bf16", "int4_kivi", "int4_saw", "int4_saw+ngram")
 BF16_BYTES_PER_TOKEN = 512
 
 
@@ -59,3 +60,10 @@ def test_int4_capacity(engine_results, scheme):
     # Same KV memory: the number of pages grows by the byte ratio of a token's K+V (512 B bf16, 136 B int4).
     ratio = engine_results[scheme]["num_blocks"] / engine_results["bf16"]["num_blocks"]
     assert ratio == pytest.approx(BF16_BYTES_PER_TOKEN / BYTES_PER_TOKEN, rel=0.01)
+
+
+def test_int4_saw_with_speculative_decoding_matches_bf16(engine_results):
+    bf16, spec = engine_results["bf16"], engine_results["int4_saw+ngram"]
+    assert spec["attention_impls"] == ["S4KVCpuAttentionImpl"]
+    assert spec["accepted_draft_tokens"] > 0  # drafts were verified through the int4 cache and kept
+    assert spec["token_ids"] == bf16["token_ids"]
