@@ -30,11 +30,13 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile (tokens per loop step, divides the page), warps and software-pipeline stages of one launch."""
+    """Tile (tokens per loop step, divides the page), warps and software-pipeline stages of one launch, and how
+    the kernel turns 4-bit codes into MMA operands (``subnormal_codes``, see _codes_as_float)."""
 
     tile: int
     num_warps: int
     num_stages: int
+    subnormal_codes: bool = False
 
 
 # measured on the H200 by tools/tune_attention.py (docs/tuning-log.md)
@@ -59,11 +61,17 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 
 
 @triton.jit
-def _codes_as_float(nibbles, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr):
-    """4-bit codes as exact 16-bit floats without an int->float conversion (the slow path on the SMs): OR the
-    code into the mantissa of CODE_BIAS (128.0 in bf16, 1024.0 in fp16, whose ulp is 1), bitcast, then subtract
-    CODE_BIAS in the same 16-bit type (exact). The bias must come off before the dot: Hopper's tensor cores do
-    not keep full fp32 precision while accumulating, and a 100x bias would magnify that loss (seen: 3% error)."""
+def _codes_as_float(nibbles, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
+                    CODE_BIAS: tl.constexpr):
+    """4-bit codes as exact 16-bit floats without an int->float conversion (the slow path on the SMs).
+
+    Biased (default): OR the code into the mantissa of CODE_BIAS (128.0 in bf16, 1024.0 in fp16, whose ulp is 1),
+    bitcast, then subtract CODE_BIAS in the same 16-bit type (exact). The bias must come off before the dot:
+    Hopper's tensor cores do not keep full fp32 precision while accumulating, and a 100x bias would magnify that
+    loss (seen: 3% error). SUBNORMAL: the code's bits are an fp16 subnormal, code * 2^-24, exact with no OR and
+    no subtract; the other MMA operand is fp16 and the caller multiplies the fp32 result by CODE_SCALE = 2^24."""
+    if SUBNORMAL:
+        return nibbles.to(tl.int16).to(tl.float16, bitcast=True)
     bits = nibbles.to(tl.int16) | CODE_BIAS_BITS
     if IS_BF16:
         biased = bits.to(tl.bfloat16, bitcast=True)
@@ -74,25 +82,26 @@ def _codes_as_float(nibbles, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr
 
 
 @triton.jit
-def _load_codes(cache_u8_ptr, page, region, offset, written, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
-                CODE_BIAS: tl.constexpr):
+def _load_codes(cache_u8_ptr, page, region, offset, written, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr,
+                CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr):
     """A tile's codes as two [TILE, 64] halves (channels j and j + 64), exact, in the query dtype."""
     ch = tl.arange(0, 64)
     packed = tl.load(cache_u8_ptr + page + region + offset[:, None] * 64 + ch[None, :], mask=written[:, None], other=0)
-    return (_codes_as_float(packed & 15, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
-            _codes_as_float(packed >> 4, IS_BF16, CODE_BIAS_BITS, CODE_BIAS))
+    return (_codes_as_float(packed & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
+            _codes_as_float(packed >> 4, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS))
 
 
 @triton.jit
-def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written):
+def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
+                      CODE_SCALE: tl.constexpr):
     """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys."""
     s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written)
     raw = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
-    return raw * s_t[None, :] + q_sum[:, None] * m_t[None, :]
+    return raw * (s_t * CODE_SCALE)[None, :] + q_sum[:, None] * m_t[None, :]
 
 
 @triton.jit
-def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params):
+def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE: tl.constexpr):
     """Q K^T for a closed KIVI block (unrotated keys, per-channel params): (Q * scale) . codes + Q . min."""
     s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params)
     dt = q_lo.dtype
@@ -102,7 +111,7 @@ def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params):
     qs_hi = (q32_hi * s_hi).to(dt)
     bias = tl.sum(q32_lo * m_lo, 1) + tl.sum(q32_hi * m_hi, 1)
     raw = tl.dot(qs_lo, tl.trans(k_lo)) + tl.dot(qs_hi, tl.trans(k_hi))
-    return raw + bias[:, None]
+    return raw * CODE_SCALE + bias[:, None]
 
 
 @triton.jit
@@ -113,7 +122,8 @@ def _paged_attention_kernel(
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_table_stride, stride_block, stride_head,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_KIVI: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, ROTATE_V: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr, IS_BF16: tl.constexpr,
+    CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -138,6 +148,9 @@ def _paged_attention_kernel(
         q_rows = q_ptr + (q_start + q_tok).to(tl.int64)[:, None] * q_stride_t + head[:, None] * q_stride_h
         q_lo = tl.load(q_rows + ch[None, :], mask=row_live[:, None], other=0.0)
         q_hi = tl.load(q_rows + 64 + ch[None, :], mask=row_live[:, None], other=0.0)
+        if SUBNORMAL:  # the codes are fp16 subnormals: every MMA operand goes to fp16 (bf16 q converts exactly)
+            q_lo = q_lo.to(tl.float16)
+            q_hi = q_hi.to(tl.float16)
         dt = q_lo.dtype
         qr_lo, qr_hi = rotate_halves(q_lo, q_hi, HADAMARD_BLOCK)
         qr_lo = qr_lo.to(dt)
@@ -164,15 +177,18 @@ def _paged_attention_kernel(
             k_pos = start + tl.arange(0, TILE)
             # slots past the sequence end hold stale bytes: never let them reach the P @ V product
             written = k_pos < seq_len
-            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, written, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, written, SUBNORMAL, IS_BF16, CODE_BIAS_BITS,
+                                     CODE_BIAS)
             k_params = (page + layout_k_params) // 2
             if IS_KIVI:
                 if (logical_block + 1) * BLOCK_SIZE <= seq_len:
-                    scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params)
+                    scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE)
                 else:
-                    scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
+                    scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset,
+                                               written, CODE_SCALE)
             else:
-                scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written)
+                scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
+                                           CODE_SCALE)
             visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
             scores = tl.where(visible, scores * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -180,16 +196,16 @@ def _paged_attention_kernel(
             p = tl.exp2(scores - m_ref[:, None])
             alpha = tl.exp2(m_i - m_ref)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, written, IS_BF16, CODE_BIAS_BITS,
-                                      CODE_BIAS)
+            v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, written, SUBNORMAL, IS_BF16,
+                                     CODE_BIAS_BITS, CODE_BIAS)
             sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written)
             p_scaled = (p * sv[None, :]).to(dt)
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo)
             acc_hi = acc_hi * alpha[:, None] + tl.dot(p_scaled, v_hi)
             acc_min = acc_min * alpha + tl.sum(p * mv[None, :], 1)
             m_i = m_new
-        acc_lo += acc_min[:, None]
-        acc_hi += acc_min[:, None]
+        acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
+        acc_hi = acc_hi * CODE_SCALE + acc_min[:, None]
 
         # normalized output of this program (0 where it saw no key: an empty split)
         inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None]
@@ -273,13 +289,16 @@ class SplitWorkspace:
         return min(self.max_splits, triton.next_power_of_2(want))
 
 
-def _code_bias(dtype: torch.dtype) -> dict:
-    """Exponent bits of 128.0 (bf16) or 1024.0 (fp16): the 16-bit float whose mantissa ulp is exactly 1."""
+def _code_format(dtype: torch.dtype, subnormal: bool) -> dict:
+    """How _codes_as_float builds MMA operands from codes. Biased: exponent bits of 128.0 (bf16) or 1024.0 (fp16),
+    the 16-bit float whose mantissa ulp is exactly 1. Subnormal: fp16 code * 2^-24, scaled back by 2^24 in fp32."""
     if dtype == torch.bfloat16:
-        return dict(IS_BF16=True, CODE_BIAS_BITS=0x4300, CODE_BIAS=128.0)
-    if dtype == torch.float16:
-        return dict(IS_BF16=False, CODE_BIAS_BITS=0x6400, CODE_BIAS=1024.0)
-    raise ValueError(f"query must be bf16 or fp16, got {dtype}")
+        biased = dict(IS_BF16=True, CODE_BIAS_BITS=0x4300, CODE_BIAS=128.0)
+    elif dtype == torch.float16:
+        biased = dict(IS_BF16=False, CODE_BIAS_BITS=0x6400, CODE_BIAS=1024.0)
+    else:
+        raise ValueError(f"query must be bf16 or fp16, got {dtype}")
+    return dict(biased, SUBNORMAL=subnormal, CODE_SCALE=2.0**24 if subnormal else 1.0)
 
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len: int,
@@ -318,7 +337,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         kv_cache.stride(0), kv_cache.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile_tokens(block_size, launch.tile), BLOCK_SIZE=block_size,
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=KIVI_STAGING_BLOCK if scheme.is_kivi else scheme.hadamard_block,
-        ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, **_code_bias(query.dtype),
+        ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if num_splits > 1:

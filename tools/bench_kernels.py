@@ -7,7 +7,8 @@ Decode attention (one query token per sequence) with the Qwen2.5-7B attention sh
              calls it under CUDA graphs (scheduler metadata, num_splits 32)
   vllm_int4  vLLM 0.26.0's int4_per_token_head path (block 16): unified_attention_int4, RHT of q/out included,
              3D split-KV up to 32 sequences like its TRITON_ATTN backend
-  s4kv_kivi, s4kv_saw   s4kv.kernels.attention.paged_attention (block 128)
+  s4kv_kivi, s4kv_saw   s4kv.kernels.attention.paged_attention (block 128), its default launch
+  s4kv_kivi_sub, s4kv_saw_sub   the same with LaunchConfig.subnormal_codes (codes as fp16 subnormal MMA operands)
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
 
 Every cache is filled through its own store path from the same random K/V, pages are handed out in a
@@ -23,6 +24,7 @@ and KV head) plus q and out. A device-to-device copy gives the bandwidth ceiling
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -36,8 +38,8 @@ import torch
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 4, 128
 BYTES_PER_TOKEN_HEAD = {"int4": 136, "bf16": 2 * HEAD_DIM * 2}
-METHODS = ("fa3_bf16", "vllm_int4", "s4kv_kivi", "s4kv_saw")
-FORMAT_OF = {"fa3_bf16": "bf16", "vllm_int4": "int4", "s4kv_kivi": "int4", "s4kv_saw": "int4"}
+METHODS = ("fa3_bf16", "vllm_int4", "s4kv_kivi", "s4kv_saw", "s4kv_kivi_sub", "s4kv_saw_sub")
+FORMAT_OF = {method: "bf16" if method == "fa3_bf16" else "int4" for method in METHODS}
 VLLM_BLOCK_SIZE = 16  # vLLM 0.26.0's default block size for FLASH_ATTN and TRITON_ATTN
 S4KV_BLOCK_SIZE = 128  # our backend forces 128 (a KIVI key group is one page)
 FA3_MAX_SPLITS = 32  # attention_config.flash_attn_max_num_splits_for_cuda_graph
@@ -233,9 +235,10 @@ def build_vllm_int4(problem: DecodeProblem, block_table: torch.Tensor, out: torc
         seq_threshold_3D=VLLM_SEQ_THRESHOLD_3D, num_par_softmax_segments=VLLM_SOFTMAX_SEGMENTS, **buffers)
 
 
-def build_s4kv(scheme_name: str, problem: DecodeProblem, block_table: torch.Tensor, out: torch.Tensor):
-    """Our cache filled by our store kernel, read by our paged attention."""
-    from s4kv.kernels.attention import SplitWorkspace, paged_attention
+def build_s4kv(scheme_name: str, subnormal_codes: bool, problem: DecodeProblem, block_table: torch.Tensor,
+               out: torch.Tensor):
+    """Our cache filled by our store kernel, read by our paged attention (default launch, or subnormal codes)."""
+    from s4kv.kernels.attention import DECODE_LAUNCH, SplitWorkspace, paged_attention
     from s4kv.kernels.layout import cache_shape
     from s4kv.kernels.scheme import Int4Scheme
     from s4kv.kernels.store import store_kv
@@ -247,16 +250,19 @@ def build_s4kv(scheme_name: str, problem: DecodeProblem, block_table: torch.Tens
         store_kv(key, value, cache, slots, scheme)
     workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, problem.device)  # as our backend's builder does
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
+    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], subnormal_codes=subnormal_codes)
     return lambda: paged_attention(problem.query, cache, block_table, seq_lens, cu_q, 1, HEAD_DIM ** -0.5, scheme,
-                                   out, workspace=workspace)
+                                   out, workspace=workspace, launch=launch)
 
 
 # method -> (page size, builder(problem, block_table, out) -> call that writes out); FA3 first: the reference
 DECODE_METHODS = {
     "fa3_bf16": (VLLM_BLOCK_SIZE, build_fa3),
     "vllm_int4": (VLLM_BLOCK_SIZE, build_vllm_int4),
-    "s4kv_kivi": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_kivi")),
-    "s4kv_saw": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_saw")),
+    "s4kv_kivi": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_kivi", False)),
+    "s4kv_saw": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_saw", False)),
+    "s4kv_kivi_sub": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_kivi", True)),
+    "s4kv_saw_sub": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_saw", True)),
 }
 
 

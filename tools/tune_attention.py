@@ -1,6 +1,6 @@
 """Sweep the attention kernel's launch configurations on the GPU and print the fastest per shape.
 
-python tools/tune_attention.py   (H200: about a minute). The winners become DECODE_LAUNCH / PREFILL_LAUNCH in
+python tools/tune_attention.py   (H200: about two minutes; each config with and without subnormal codes). The winners become DECODE_LAUNCH / PREFILL_LAUNCH in
 kernels/attention.py; docs/tuning-log.md keeps what was measured.
 """
 
@@ -38,8 +38,10 @@ def main():
     results = []
     decode_cases = [(1, 32768), (32, 16384), (256, 4096)]
     prefill_cases = [(4, 4096, 512)]
-    decode_grid = [LaunchConfig(t, w, s) for t, w, s in itertools.product((64, 128), (4, 8), (2, 3))]
-    prefill_grid = [LaunchConfig(t, w, s) for t, w, s in itertools.product((32, 64), (4, 8), (2,))]
+    decode_grid = [LaunchConfig(t, w, s, sub) for t, w, s, sub in itertools.product((64, 128), (4, 8), (2, 3),
+                                                                                     (False, True))]
+    prefill_grid = [LaunchConfig(t, w, s, sub) for t, w, s, sub in itertools.product((32, 64), (4, 8), (2,),
+                                                                                      (False, True))]
     for scheme in (Int4Scheme("int4_kivi"), Int4Scheme("int4_saw")):
         for kind, cases, grid in (("decode", decode_cases, decode_grid), ("prefill", prefill_cases, prefill_grid)):
             for case in cases:

@@ -7,12 +7,14 @@ sequence and the output are poisoned (random bytes, NaN) before each call.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kv_batches import cache_with_prefix, make_paged_batch, relative_error, with_guard_blocks
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.attention import SplitWorkspace, paged_attention
+from s4kv.kernels.attention import DECODE_LAUNCH, PREFILL_LAUNCH, SplitWorkspace, paged_attention
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
 
@@ -45,10 +47,10 @@ def heads_for(group: int) -> tuple[int, int]:
     return group * num_kv_heads, num_kv_heads
 
 
-def run_kernel(batch, cache, scheme, workspace=None) -> torch.Tensor:
+def run_kernel(batch, cache, scheme, workspace=None, launch=None) -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan"))
     paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                    batch.max_query_len, SOFTMAX_SCALE, scheme, out, workspace=workspace)
+                    batch.max_query_len, SOFTMAX_SCALE, scheme, out, workspace=workspace, launch=launch)
     return out
 
 
@@ -108,6 +110,22 @@ def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, schem
     expected = run_reference(batch, cache, scheme)
     assert_attention_close(run_kernel(batch, cache, scheme, workspace), expected,
                            f"{scheme_name} GQA {group} target_programs {target_programs}")
+
+
+@pytest.mark.parametrize("specs", [MIXED, DECODE], ids=["mixed", "decode-split"])
+@pytest.mark.parametrize("scheme_name", ["kivi", "saw64-rotv"])
+def test_subnormal_codes_match_the_reference(gen, kernel_device, scheme_name, specs):
+    """The launch option that feeds codes to the MMA as fp16 subnormals (code * 2^-24, rescaled in fp32): same
+    attention as the reference, on the one-pass prefill path and the split-KV decode path."""
+    scheme = SCHEMES[scheme_name]
+    batch = make_paged_batch(gen, specs, 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
+    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    decode = batch.max_query_len == 1
+    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name] if decode else PREFILL_LAUNCH, subnormal_codes=True)
+    workspace = SplitWorkspace.allocate(8, 2, kernel_device, target_programs=32) if decode else None
+    assert_attention_close(run_kernel(batch, cache, scheme, workspace, launch), run_reference(batch, cache, scheme),
+                           f"{scheme_name} subnormal codes")
 
 
 def test_decode_with_and_without_workspace_agree(gen, kernel_device):

@@ -9,6 +9,7 @@ giving exactly the eager result. About two minutes on an H200, most of it the to
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 from pathlib import Path
@@ -26,7 +27,7 @@ from kv_batches import (
 )
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.attention import SplitWorkspace, paged_attention
+from s4kv.kernels.attention import DECODE_LAUNCH, PREFILL_LAUNCH, SplitWorkspace, paged_attention
 from s4kv.kernels.dense import gather_dense_kv
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
@@ -81,9 +82,9 @@ def bf16_attention(batch) -> torch.Tensor:
 def error_table():
     rows: list[str] = []
     yield rows
-    header = ["| dtype | scheme | batch | kernel vs reference | kernel vs bf16 attention (unquantized K/V) "
+    header = ["| dtype | scheme | codes | batch | kernel vs reference | kernel vs bf16 attention (unquantized K/V) "
               "| bf16 attention vs fp64 | codes differing from reference store |",
-              "|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|"]
     table = "\n".join(header + rows)
     print("\n\nRelative error (Frobenius) of the attention output, Qwen2.5-7B shape 28/4 heads, head_dim 128\n" + table)
     if os.environ.get("OUT"):
@@ -101,10 +102,12 @@ def code_mismatch(actual: torch.Tensor, expected: torch.Tensor, before: torch.Te
     return differing / max(rewritten, 1)
 
 
+@pytest.mark.parametrize("codes", ["biased", "subnormal"])
 @pytest.mark.parametrize("kind", ["mixed", "decode64"])
 @pytest.mark.parametrize("scheme_name", list(SCHEMES))
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, scheme_name, kind):
+def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, scheme_name, kind, codes):
+    """``codes``: the attention launch's default, or LaunchConfig.subnormal_codes (fp16 subnormal MMA operands)."""
     scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
     gen = gpu_gen(request)
     batch = make_paged_batch(gen, batch_specs(kind, gen), NUM_Q_HEADS, NUM_KV_HEADS, block_size=128, dtype=dtype,
@@ -118,9 +121,11 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
     del expected_cache, before
 
     workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, "cuda") if batch.max_query_len == 1 else None
+    launch = DECODE_LAUNCH[scheme.name] if batch.max_query_len == 1 else PREFILL_LAUNCH
+    launch = dataclasses.replace(launch, subnormal_codes=codes == "subnormal")
     out = torch.full_like(batch.query, float("nan"))
     paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                    batch.max_query_len, SOFTMAX_SCALE, scheme, out, workspace=workspace)
+                    batch.max_query_len, SOFTMAX_SCALE, scheme, out, workspace=workspace, launch=launch)
     assert not torch.isnan(out).any(), "NaN in the attention output"
     expected = ref.paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
                                    SOFTMAX_SCALE, scheme)
@@ -128,7 +133,7 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
     baseline = bf16_attention(batch)
     quant_err = relative_error(out, baseline)
     bf16_err = relative_error(baseline, unquantized_attention(batch, SOFTMAX_SCALE))
-    error_table.append(f"| {dtype_name} | {scheme_name} | {kind} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
+    error_table.append(f"| {dtype_name} | {scheme_name} | {codes} | {kind} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
                        f"| {kernel_err:.2e} | {quant_err:.3f} | {bf16_err:.1e} | {mismatch:.2%} |")
     assert kernel_err < MAX_KERNEL_ERR[dtype_name], f"kernel vs reference {kernel_err:.2e}"
     assert quant_err < MAX_QUANT_ERR, f"kernel vs unquantized bf16 attention {quant_err:.3f}"
