@@ -128,6 +128,11 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
     # launch depends on max_query_len (decode kernel vs prefill kernel), which is constant only in such batches.
     # Mixed prefill/decode batches run piecewise, attention eager.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Batches whose longest query has at most this many tokens (decode; decode + speculative drafts, which vLLM
+    # captures in full CUDA graphs as uniform batches of 1 + num_speculative_tokens; very short prefill chunks)
+    # read everything from the int4 cache through the fused kernel: no host-side planning, so graph-safe, and
+    # memory-bound like decode. Longer prefill chunks go through the dense gather and FlashAttention.
+    fused_max_query_len: ClassVar[int] = 16
     # Decodes first, then prefills, so the prefill sequences are one contiguous slice of the batch.
     reorder_batch_threshold: ClassVar[int] = 1
     # Largest dense K+V buffer (bytes) a prefill batch may take beside the KV cache; a batch needing more (many
@@ -161,7 +166,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
             workspace=self.workspace,
-            prefill=self._plan_prefill(m) if m.max_query_len > 1 else None,
+            prefill=self._plan_prefill(m) if m.max_query_len > self.fused_max_query_len else None,
         )
 
     def _plan_prefill(self, m: CommonAttentionMetadata) -> PrefillPlan | None:
