@@ -7,9 +7,10 @@ a phase fails or runs out of time:
 
 1. capacity (alone on the GPU): "GPU KV cache size: N tokens" for bf16, fp8, vLLM's int4_per_token_head
    (TRITON_ATTN) and both S4 KV schemes, on the Qwen2.5-7B shape (configs/, dummy weights), same memory setting.
-2. engine matrix (4 workers side by side): model runner V1 and V2 x CUDA graphs on and --enforce-eager, each over
-   the tiny Qwen2- and Llama-3-shaped models (models/, trained to memorize answers) with bf16, int4_kivi and
-   int4_saw KV: answers vs bf16, a long prompt in chunked prefill, a prefix-cache hit, preemption under KV pressure.
+2. engine matrix (8 workers side by side): model runner V1 and V2 x CUDA graphs on and --enforce-eager x the tiny
+   Qwen2- and Llama-3-shaped models (models/, trained to memorize answers), each with bf16, int4_kivi, int4_saw and
+   int4_saw under n-gram speculative decoding: answers vs bf16, a long prompt in chunked prefill, a prefix-cache
+   hit, preemption under KV pressure, accepted drafts.
 3. servers (side by side with 2): `s4kv serve` (int4_kivi, Qwen2 shape) and a raw `vllm serve ... --attention-backend
    CUSTOM` (int4_saw, Llama-3 shape), exercised with the official openai client.
 """
@@ -34,6 +35,11 @@ import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMES = ("int4_kivi", "int4_saw")
+# the engine-matrix runs of S4 KV: both schemes, and int4_saw under n-gram speculative decoding (3 drafts; vLLM
+# captures the verification batches, 4 query tokens per request, in full CUDA graphs). int4_kivi refuses drafts.
+SPECULATIVE = "+ngram"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+MATRIX_KINDS = (*SCHEMES, "int4_saw" + SPECULATIVE)
 S4KV_ARGS = {"kv_cache_dtype": "int4_per_token_head", "attention_config": {"backend": "CUSTOM"}}
 CAPACITY_MODEL_CONFIG = os.path.join(REPO, "configs", "qwen2.5-7b-instruct.json")
 KV_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
@@ -43,7 +49,10 @@ KV_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 # helpers shared by the phases
 # ---------------------------------------------------------------------------------------------------------------
 def kv_kwargs(kind: str) -> dict:
-    """Engine kwargs for one KV format: bf16, fp8, int4_per_token_head (vLLM's own) or an S4 KV scheme."""
+    """Engine kwargs for one KV format: bf16, fp8, int4_per_token_head (vLLM's own) or an S4 KV scheme, the
+    latter optionally with speculative decoding (``int4_saw+ngram``)."""
+    if kind.endswith(SPECULATIVE):
+        return dict(kv_kwargs(kind.removesuffix(SPECULATIVE)), speculative_config=NGRAM)
     if kind == "bf16":
         return {}
     if kind in ("fp8", "int4_per_token_head"):
@@ -137,6 +146,7 @@ def engine_checks(model: str, kind: str, eager: bool) -> dict:
     with open(os.path.join(model, "config.json")) as handle:
         config = json.load(handle)
     bytes_per_token = config["num_hidden_layers"] * config["num_key_value_heads"] * (512 if kind == "bf16" else 136)
+    # (n-gram drafts need no draft model and no KV of their own: the budget stays 48 pages)
     llm = LLM(model, dtype="bfloat16", enforce_eager=eager, max_model_len=1024, max_num_seqs=32,
               max_num_batched_tokens=256, enable_chunked_prefill=True, enable_prefix_caching=True,
               gpu_memory_utilization=0.08, kv_cache_memory_bytes=48 * 128 * bytes_per_token,  # 48 pages of 128
@@ -164,6 +174,7 @@ def engine_checks(model: str, kind: str, eager: bool) -> dict:
         "pressure_all_same": len({tuple(o.outputs[0].token_ids) for o in pressure}) == 1,
         "pressure_matches_single": list(pressure[0].outputs[0].token_ids[: len(single)]) == single,
         "preemptions": metrics.get("vllm:num_preemptions"),
+        "accepted_draft_tokens": metrics.get("vllm:spec_decode_num_accepted_tokens"),
         "impls": llm.apply_model(attention_impls)[0],
     }
     del llm
@@ -171,10 +182,10 @@ def engine_checks(model: str, kind: str, eager: bool) -> dict:
 
 
 def matrix_worker(name: str, eager: bool) -> None:
-    """bf16 then both schemes on one tiny model, one engine after another; a RESULT line after each."""
+    """bf16 then the S4 KV runs on one tiny model, one engine after another; a RESULT line after each."""
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    for kind in ("bf16", *SCHEMES):
+    for kind in ("bf16", *MATRIX_KINDS):
         start = time.monotonic()
         try:
             result = engine_checks(tiny_models()[name], kind, eager)
@@ -192,7 +203,7 @@ def judge_matrix(results: dict) -> list[str]:
     failures = []
     for name in tiny_models():
         bf16 = results.get(f"{name}/bf16", {})
-        for kind in SCHEMES:
+        for kind in MATRIX_KINDS:
             run = results.get(f"{name}/{kind}", {})
             key = f"{name}/{kind}"
             if "error" in run or not run:
@@ -206,6 +217,8 @@ def judge_matrix(results: dict) -> list[str]:
                 "preempted": bool(run["preemptions"]),
                 "preemption kept outputs": run["pressure_all_same"] and run["pressure_matches_single"],
             }
+            if kind.endswith(SPECULATIVE):
+                checks["drafts accepted"] = bool(run["accepted_draft_tokens"])
             failures += [f"{key}: {check} FAILED" for check, ok in checks.items() if not ok]
     return failures
 
