@@ -114,7 +114,11 @@ def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SC
     return raw * CODE_SCALE + bias[:, None]
 
 
-@triton.jit
+# Runtime values must not pick kernel variants: Triton would otherwise compile one per "== 1 / multiple of 16"
+# value of num_seqs and per 16-byte alignment of the (sliced) metadata pointers, and a new variant met while
+# serving is a JIT stall of seconds. The metadata is read with scalar loads, where alignment buys nothing.
+@triton.jit(do_not_specialize=["num_seqs"],
+            do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_u8_ptr, cache_f16_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_acc_ptr, part_ml_ptr,
@@ -228,7 +232,7 @@ def _paged_attention_kernel(
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["query_start_loc_ptr"])  # see _paged_attention_kernel
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, out_stride_t, out_stride_h,
     NUM_SPLITS: tl.constexpr,

@@ -32,7 +32,10 @@ def _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMAR
     return rotate_halves_fp32(k_lo * s_t[:, None] + m_t[:, None], k_hi * s_t[:, None] + m_t[:, None], HADAMARD_BLOCK)
 
 
-@triton.jit
+# The backend passes metadata sliced past the decodes (seq_lens[nd:], ...): their addresses must not pick kernel
+# variants (a JIT stall while serving); they are read with scalar loads.
+@triton.jit(do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr",
+                                            "cu_seqlens_k_ptr"])
 def _gather_dense_kernel(
     key_ptr, value_ptr, cache_u8_ptr, cache_f16_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     cu_seqlens_k_ptr, dense_k_ptr, dense_v_ptr,

@@ -19,7 +19,8 @@ from .triton_common import encode, finite_rows, rotate_halves, rotate_halves_fp3
 TOKENS_PER_PROGRAM = 16
 
 
-@triton.jit
+# num_tokens and the slot mapping's address vary per step: no kernel variant per value (a JIT stall while serving)
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_ptr"])
 def _store_per_token_kernel(
     src_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr,
     num_tokens, src_stride_t, src_stride_h, stride_block, stride_head,
@@ -52,7 +53,7 @@ def _store_per_token_kernel(
     tl.store(cache_f16_ptr + params + 1, minimum.to(tl.float16), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _kivi_close_kernel(
     key_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr,
     key_stride_t, key_stride_h, stride_block, stride_head,

@@ -289,3 +289,32 @@ def test_kernels_address_pages_past_4_gib(request, scheme_name):
                         int(batch.seq_lens.max()), scheme, dense_k, dense_v)
         dense.append((dense_k, dense_v))
     assert torch.equal(dense[0][0], dense[1][0]) and torch.equal(dense[0][1], dense[1][1]), "dense gather differs"
+
+
+def test_batch_sizes_and_sliced_metadata_reuse_one_compiled_kernel(request):
+    """Values that change every step (the number of sequences, metadata sliced past the decodes as the backend
+    passes it) must not select new Triton kernel variants: each one is a multi-second JIT stall while serving."""
+    from s4kv.kernels.attention import _paged_attention_kernel
+    from s4kv.kernels.store import _store_per_token_kernel
+
+    scheme = SCHEMES["saw128"]
+    gen = gpu_gen(request)
+    variants_before = None
+    for num_seqs, skip in ((3, 0), (16, 0), (17, 1), (32, 2), (1, 3)):
+        contexts = torch.randint(100, 900, (num_seqs + skip,), generator=gen, device="cuda").tolist()
+        batch = make_paged_batch(gen, [(int(c), 1) for c in contexts], NUM_Q_HEADS, NUM_KV_HEADS, block_size=128,
+                                 dtype=torch.bfloat16, device="cuda")
+        cache = cache_with_prefix(batch, scheme, gen, "cuda")
+        # the decodes after the first `skip` ones, through views whose addresses move by skip elements
+        store_kv(batch.key[skip:], batch.value[skip:], cache, batch.slot_mapping[skip:], scheme)
+        qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(batch.query[skip:])
+        paged_attention(batch.query[skip:], cache, batch.block_table[skip:], batch.seq_lens[skip:], qsl, 1,
+                        SOFTMAX_SCALE, scheme, out)
+        torch.cuda.synchronize()
+        device = torch.cuda.current_device()
+        variants = (len(_paged_attention_kernel.device_caches[device][0]),
+                    len(_store_per_token_kernel.device_caches[device][0]))
+        if variants_before is None:
+            variants_before = variants
+        assert variants == variants_before, f"{num_seqs} sequences (skip {skip}) compiled new variants: {variants}"
