@@ -112,8 +112,9 @@ class S4KVMetadata:
 class PrefillPlan:
     """The prefill part of a decodes-first batch, for FlashAttention over a dense K/V buffer."""
 
-    num_decodes: int  # sequences [0, num_decodes) are single-token decodes
+    num_decodes: int  # sequences [0, num_decodes) are decodes: 1 token, or 1 + speculative drafts
     num_decode_tokens: int
+    decode_max_query_len: int  # 1 without drafts (then the decode part may split the context)
     cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32 from 0, rows of query[num_decode_tokens:]
     cu_seqlens_k: torch.Tensor  # [num_prefills + 1] int32, rows of dense_k/dense_v
     max_query_len: int
@@ -128,13 +129,6 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
     # launch depends on max_query_len (decode kernel vs prefill kernel), which is constant only in such batches.
     # Mixed prefill/decode batches run piecewise, attention eager.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
-    # Batches whose longest query has at most this many tokens (decode; decode + speculative drafts, which vLLM
-    # captures in full CUDA graphs as uniform batches of 1 + num_speculative_tokens; very short prefill chunks)
-    # read everything from the int4 cache through the fused kernel: no host-side planning, so graph-safe, and
-    # memory-bound like decode. Longer prefill chunks go through the dense gather and FlashAttention.
-    fused_max_query_len: ClassVar[int] = 16
-    # Decodes first, then prefills, so the prefill sequences are one contiguous slice of the batch.
-    reorder_batch_threshold: ClassVar[int] = 1
     # Largest dense K+V buffer (bytes) a prefill batch may take beside the KV cache; a batch needing more (many
     # long prefixes at once) runs its prefills through the int4 kernel instead: same cache, same numbers, slower.
     dense_budget_bytes: ClassVar[int] = 512 << 20
@@ -142,6 +136,12 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Decodes first, then prefills, so the prefill sequences are one contiguous slice of the batch. A decode
+        # is a query of at most 1 + num_speculative_tokens tokens: with drafts, vLLM's host sequence lengths of
+        # decode rows are only upper bounds (async scheduling assumes every draft accepted), so those rows must
+        # stay out of the host-planned prefill path; the fused kernel reads the exact lengths on the device.
+        # Batches of decodes alone (vLLM captures them in full CUDA graphs, drafts included) are never planned.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         self.workspace = self._allocate_workspace()
 
     def _allocate_workspace(self) -> Any:
@@ -166,7 +166,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
             workspace=self.workspace,
-            prefill=self._plan_prefill(m) if m.max_query_len > self.fused_max_query_len else None,
+            prefill=self._plan_prefill(m) if m.max_query_len > self.reorder_batch_threshold else None,
         )
 
     def _plan_prefill(self, m: CommonAttentionMetadata) -> PrefillPlan | None:
@@ -174,7 +174,8 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
         from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+            m, decode_threshold=self.reorder_batch_threshold)
         if num_prefills == 0:
             return None
         seq_lens = (m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens_cpu)
@@ -184,13 +185,15 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         dtype = self.vllm_config.model_config.dtype
         if 2 * total * spec.num_kv_heads * spec.head_size * dtype.itemsize > self.dense_budget_bytes:
             return None
-        q_starts = m.query_start_loc_cpu[num_decodes : m.num_reqs + 1]
+        q_all = m.query_start_loc_cpu
+        q_starts = q_all[num_decodes : m.num_reqs + 1]
         cu_k = torch.zeros(num_prefills + 1, dtype=torch.int32)
         torch.cumsum(seq_lens, 0, out=cu_k[1:])
         dense_k = torch.empty(total, spec.num_kv_heads, spec.head_size, dtype=dtype, device=self.device)
         return PrefillPlan(
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
+            decode_max_query_len=int((q_all[1 : num_decodes + 1] - q_all[:num_decodes]).max()) if num_decodes else 0,
             cu_seqlens_q=(q_starts - num_decode_tokens).to(self.device, torch.int32, non_blocking=True),
             cu_seqlens_k=cu_k.to(self.device, non_blocking=True),
             max_query_len=int((q_starts[1:] - q_starts[:-1]).max()),
@@ -273,8 +276,8 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         nd, ndt = p.num_decodes, p.num_decode_tokens
         if nd:
             self._paged_attention(query[:ndt], kv_cache, m.block_table[:nd], m.seq_lens[:nd],
-                                  m.query_start_loc[: nd + 1], 1, self.scale, self.scheme, output[:ndt],
-                                  workspace=m.workspace)
+                                  m.query_start_loc[: nd + 1], p.decode_max_query_len, self.scale, self.scheme,
+                                  output[:ndt], workspace=m.workspace)
         self._prefill_with_flash_attention(query, key, value, kv_cache, m, output)
         return output
 

@@ -1,7 +1,8 @@
-"""The GPU backend's metadata builder, without a GPU: which batches it plans as prefill (dense gather + FlashAttention,
-host-side sizes) and which it leaves to the fused int4 kernel (graph-safe). vLLM captures full CUDA graphs of
-uniform batches of 1 + num_speculative_tokens query tokens per request; such a batch must not be planned on the host,
-or the captured graph would keep the capture's buffer sizes and sequence lengths."""
+"""The GPU backend's metadata builder, without a GPU: which rows it plans on the host for the dense gather +
+FlashAttention (prefill chunks, exact host lengths) and which it leaves to the fused int4 kernel, which reads the
+sequence lengths on the device. With speculative decoding a decode row has 1 + drafts query tokens, vLLM's host
+length of it is only an upper bound (async scheduling assumes every draft accepted), and vLLM captures uniform
+batches of such rows in full CUDA graphs: none of that may be planned on the host."""
 
 from __future__ import annotations
 
@@ -11,24 +12,46 @@ import torch
 from model_configs import QWEN25_7B, write_model_dir
 
 pytest.importorskip("vllm")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-@pytest.fixture(scope="module")
-def builder(tmp_path_factory):
+def make_builder(model_dir, speculative: dict | None):
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
     from s4kv.runtime.backend import S4KVMetadataBuilder
 
-    model = write_model_dir(tmp_path_factory.mktemp("models"), "qwen", QWEN25_7B)
-    config = EngineArgs(model=str(model), skip_tokenizer_init=True, load_format="dummy", max_model_len=4096,
+    config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy", max_model_len=4096,
                         kv_cache_dtype="int4_per_token_head", attention_backend="CUSTOM",
-                        additional_config={"s4kv": {"scheme": "int4_saw"}}).create_engine_config()
+                        additional_config={"s4kv": {"scheme": "int4_saw"}},
+                        speculative_config=speculative).create_engine_config()
     spec = FullAttentionSpec(block_size=128, num_kv_heads=4, head_size=128, dtype=torch.uint8,
                              kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD)
     with set_current_vllm_config(config):
         return S4KVMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(tmp_path_factory.mktemp("models"), "qwen", QWEN25_7B)
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    return make_builder(model_dir, None)
+
+
+@pytest.fixture(scope="module")
+def drafting(model_dir):
+    return make_builder(model_dir, NGRAM)
+
+
+@pytest.fixture(autouse=True)
+def flash_attention_version(monkeypatch):
+    import vllm.v1.attention.backends.fa_utils as fa_utils
+
+    monkeypatch.setattr(fa_utils, "get_flash_attn_version", lambda: 3)  # no FlashAttention build on the CPU
 
 
 def batch(query_lens: list[int], context_lens: list[int]):
@@ -45,19 +68,28 @@ def batch(query_lens: list[int], context_lens: list[int]):
     )
 
 
-@pytest.mark.parametrize("query_len", [1, 4, 16])
-def test_decode_and_speculative_verification_batches_use_the_fused_kernel(builder, query_len):
+def test_decodes_are_one_token_without_drafts_and_one_plus_drafts_with_them(plain, drafting):
+    assert plain.reorder_batch_threshold == 1
+    assert drafting.reorder_batch_threshold == 1 + NGRAM["num_speculative_tokens"]
+
+
+@pytest.mark.parametrize("builder_name, query_len", [("plain", 1), ("drafting", 1), ("drafting", 4)])
+def test_batches_of_decodes_are_never_planned_on_the_host(request, builder_name, query_len):
+    builder = request.getfixturevalue(builder_name)
     uniform = batch([query_len] * 3, [300, 1000, 17])
     assert builder.build(0, uniform).prefill is None
     assert builder.build_for_cudagraph_capture(uniform).prefill is None
 
 
-def test_prefill_chunks_are_planned_for_flash_attention(builder, monkeypatch):
-    import vllm.v1.attention.backends.fa_utils as fa_utils
-
-    monkeypatch.setattr(fa_utils, "get_flash_attn_version", lambda: 3)  # no FlashAttention build on the CPU
-    mixed = batch([1, 1, 200], [500, 20, 300])  # decodes first, then a 200-token chunk over a 300-token prefix
-    plan = builder.build(0, mixed).prefill
+def test_prefill_chunks_are_planned_for_flash_attention(plain):
+    plan = plain.build(0, batch([1, 1, 200], [500, 20, 300])).prefill  # decodes first, then a 200-token chunk
     assert plan is not None
-    assert (plan.num_decodes, plan.num_decode_tokens, plan.max_query_len, plan.max_seq_len) == (2, 2, 200, 500)
+    assert (plan.num_decodes, plan.num_decode_tokens, plan.decode_max_query_len) == (2, 2, 1)
+    assert (plan.max_query_len, plan.max_seq_len) == (200, 500)
     assert plan.dense_k.shape == (500, 4, 128) and plan.cu_seqlens_k.tolist() == [0, 500]
+
+
+def test_rows_with_drafts_stay_with_the_fused_kernel_beside_a_prefill_chunk(drafting):
+    plan = drafting.build(0, batch([4, 4, 200], [500, 20, 300])).prefill
+    assert (plan.num_decodes, plan.num_decode_tokens, plan.decode_max_query_len) == (2, 8, 4)
+    assert plan.cu_seqlens_q.tolist() == [0, 200] and plan.cu_seqlens_k.tolist() == [0, 500]
