@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .layout import HALF_DIM, KIVI_BLOCK_SIZE, PageLayout
 from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
-from .triton_common import encode, finite_rows, rotate_halves, rotate_halves_fp32, scale_and_min
+from .triton_common import encode, finite_rows, load_token_params, rotate_halves, rotate_halves_fp32, scale_and_min
 
 TOKENS_PER_PROGRAM = 16
 
@@ -76,11 +76,9 @@ def _kivi_close_kernel(
         exact_hi = tl.load(key + 64, mask=fresh[:, None], other=0.0).to(tl.float32)
         # the others from their staged per-token codes, dequantized and un-rotated
         packed = tl.load(cache_u8_ptr + page + t[:, None] * 64 + ch[None, :])
-        params = (page + K_PARAMS_OFFSET) // 2 + t * 2
-        scale = tl.load(cache_f16_ptr + params).to(tl.float32)[:, None]
-        minimum = tl.load(cache_f16_ptr + params + 1).to(tl.float32)[:, None]
-        staged_lo = (packed & 15).to(tl.float32) * scale + minimum
-        staged_hi = (packed >> 4).to(tl.float32) * scale + minimum
+        scale, minimum = load_token_params(cache_f16_ptr, (page + K_PARAMS_OFFSET) // 2, t, fresh == 0)
+        staged_lo = (packed & 15).to(tl.float32) * scale[:, None] + minimum[:, None]
+        staged_hi = (packed >> 4).to(tl.float32) * scale[:, None] + minimum[:, None]
         staged_lo, staged_hi = rotate_halves_fp32(staged_lo, staged_hi, HADAMARD_BLOCK)
         k_lo = tl.where(fresh[:, None], exact_lo, staged_lo)
         k_hi = tl.where(fresh[:, None], exact_hi, staged_hi)

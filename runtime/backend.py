@@ -185,18 +185,18 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         dtype = self.vllm_config.model_config.dtype
         if 2 * total * spec.num_kv_heads * spec.head_size * dtype.itemsize > self.dense_budget_bytes:
             return None
-        q_all = m.query_start_loc_cpu
-        q_starts = q_all[num_decodes : m.num_reqs + 1]
+        q_starts = m.query_start_loc_cpu[num_decodes : m.num_reqs + 1]
+        q_lens = m.query_start_loc_cpu[1 : m.num_reqs + 1] - m.query_start_loc_cpu[: m.num_reqs]
         cu_k = torch.zeros(num_prefills + 1, dtype=torch.int32)
         torch.cumsum(seq_lens, 0, out=cu_k[1:])
         dense_k = torch.empty(total, spec.num_kv_heads, spec.head_size, dtype=dtype, device=self.device)
         return PrefillPlan(
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
-            decode_max_query_len=int((q_all[1 : num_decodes + 1] - q_all[:num_decodes]).max()) if num_decodes else 0,
+            decode_max_query_len=int(q_lens[:num_decodes].max()) if num_decodes else 0,
             cu_seqlens_q=(q_starts - num_decode_tokens).to(self.device, torch.int32, non_blocking=True),
             cu_seqlens_k=cu_k.to(self.device, non_blocking=True),
-            max_query_len=int((q_starts[1:] - q_starts[:-1]).max()),
+            max_query_len=int(q_lens[num_decodes:].max()),
             max_seq_len=int(seq_lens.max()),
             dense_k=dense_k,
             dense_v=torch.empty_like(dense_k),
