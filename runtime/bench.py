@@ -250,13 +250,6 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float | None) -> list[str 
     timeout, the processes still running are left to the caller to end."""
     deadline = time.monotonic() + timeout if timeout is not None else None
     errors: list[str | None] = [None] * len(procs)
-    if len(procs) == 1:  # one engine: a plain wait
-        try:
-            code = procs[0].wait(timeout=timeout)
-            errors[0] = None if code == 0 else f"exit code {code}"
-        except subprocess.TimeoutExpired:
-            errors[0] = f"timed out after {timeout:.0f} s"
-        return errors
     while True:
         codes = [proc.poll() for proc in procs]
         failed = [i for i, code in enumerate(codes) if code not in (None, 0)]

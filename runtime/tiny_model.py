@@ -33,6 +33,10 @@ EOS = "</s>"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 QWEN2 = "tiny-qwen2"
 LLAMA3 = "tiny-llama3"
+# The speculative decoding that the engine tests run on these models (a kind "<scheme>+ngram"): n-gram drafts need
+# no draft model, and the repeated turns of the long test prompts give the proposer matches.
+SPECULATIVE_SUFFIX = "+ngram"
+NGRAM_DRAFTS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 @dataclass(frozen=True)

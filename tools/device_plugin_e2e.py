@@ -37,9 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMES = ("int4_kivi", "int4_saw")
 # the engine-matrix runs of S4 KV: both schemes, and int4_saw under n-gram speculative decoding (3 drafts; vLLM
 # captures the verification batches, 4 query tokens per request, in full CUDA graphs). int4_kivi refuses drafts.
-SPECULATIVE = "+ngram"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-MATRIX_KINDS = (*SCHEMES, "int4_saw" + SPECULATIVE)
+MATRIX_KINDS = (*SCHEMES, "int4_saw+ngram")
 S4KV_ARGS = {"kv_cache_dtype": "int4_per_token_head", "attention_config": {"backend": "CUSTOM"}}
 CAPACITY_MODEL_CONFIG = os.path.join(REPO, "configs", "qwen2.5-7b-instruct.json")
 KV_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
@@ -51,8 +49,10 @@ KV_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 def kv_kwargs(kind: str) -> dict:
     """Engine kwargs for one KV format: bf16, fp8, int4_per_token_head (vLLM's own) or an S4 KV scheme, the
     latter optionally with speculative decoding (``int4_saw+ngram``)."""
-    if kind.endswith(SPECULATIVE):
-        return dict(kv_kwargs(kind.removesuffix(SPECULATIVE)), speculative_config=NGRAM)
+    from s4kv.runtime.tiny_model import NGRAM_DRAFTS, SPECULATIVE_SUFFIX
+
+    if kind.endswith(SPECULATIVE_SUFFIX):
+        return dict(kv_kwargs(kind.removesuffix(SPECULATIVE_SUFFIX)), speculative_config=NGRAM_DRAFTS)
     if kind == "bf16":
         return {}
     if kind in ("fp8", "int4_per_token_head"):
@@ -200,6 +200,8 @@ def matrix_worker(name: str, eager: bool) -> None:
 
 def judge_matrix(results: dict) -> list[str]:
     """Failures of one worker's results, as lines."""
+    from s4kv.runtime.tiny_model import SPECULATIVE_SUFFIX
+
     failures = []
     for name in tiny_models():
         bf16 = results.get(f"{name}/bf16", {})
@@ -217,7 +219,7 @@ def judge_matrix(results: dict) -> list[str]:
                 "preempted": bool(run["preemptions"]),
                 "preemption kept outputs": run["pressure_all_same"] and run["pressure_matches_single"],
             }
-            if kind.endswith(SPECULATIVE):
+            if kind.endswith(SPECULATIVE_SUFFIX):
                 checks["drafts accepted"] = bool(run["accepted_draft_tokens"])
             failures += [f"{key}: {check} FAILED" for check, ok in checks.items() if not ok]
     return failures

@@ -14,15 +14,13 @@ import gc
 import json
 import sys
 
-from s4kv.runtime.tiny_model import FACTS, chat_text
+from s4kv.runtime.tiny_model import FACTS, NGRAM_DRAFTS, SPECULATIVE_SUFFIX, chat_text
 
 # A context of several turns followed by a question: 160+ tokens, so a 128-token page closes during prefill.
 LONG_PROMPT = "".join(chat_text(q, a) for q, a in FACTS[:7]) + chat_text(FACTS[9][0])
 MAX_TOKENS = 24
 
 
-SPECULATIVE = "+ngram"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def engine_kwargs(scheme: str) -> dict:
@@ -31,9 +29,9 @@ def engine_kwargs(scheme: str) -> dict:
         enable_prefix_caching=True, enforce_eager=True, dtype="bfloat16", seed=0,
         gpu_memory_utilization=0.3, kv_cache_memory_bytes=32 * 2**20,
     )
-    if scheme.endswith(SPECULATIVE):
-        scheme = scheme.removesuffix(SPECULATIVE)
-        common.update(speculative_config=NGRAM, disable_log_stats=False)
+    if scheme.endswith(SPECULATIVE_SUFFIX):
+        scheme = scheme.removesuffix(SPECULATIVE_SUFFIX)
+        common.update(speculative_config=NGRAM_DRAFTS, disable_log_stats=False)
     if scheme == "bf16":
         return common
     return dict(common, kv_cache_dtype="int4_per_token_head", attention_config={"backend": "CUSTOM"},
@@ -68,7 +66,7 @@ def run_scheme(model: str, scheme: str) -> dict:
         "num_blocks": core.vllm_config.cache_config.num_gpu_blocks,
         "block_size": core.vllm_config.cache_config.block_size,
         "attention_impls": llm.apply_model(attention_impls)[0],
-        "accepted_draft_tokens": accepted_draft_tokens(llm) if scheme.endswith(SPECULATIVE) else None,
+        "accepted_draft_tokens": accepted_draft_tokens(llm) if scheme.endswith(SPECULATIVE_SUFFIX) else None,
     }
     del llm, core
     gc.collect()

@@ -11,8 +11,9 @@ import torch
 
 from model_configs import QWEN25_7B, write_model_dir
 
+from s4kv.runtime.tiny_model import NGRAM_DRAFTS
+
 pytest.importorskip("vllm")
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def make_builder(model_dir, speculative: dict | None):
@@ -44,7 +45,7 @@ def plain(model_dir):
 
 @pytest.fixture(scope="module")
 def drafting(model_dir):
-    return make_builder(model_dir, NGRAM)
+    return make_builder(model_dir, NGRAM_DRAFTS)
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +71,7 @@ def batch(query_lens: list[int], context_lens: list[int]):
 
 def test_decodes_are_one_token_without_drafts_and_one_plus_drafts_with_them(plain, drafting):
     assert plain.reorder_batch_threshold == 1
-    assert drafting.reorder_batch_threshold == 1 + NGRAM["num_speculative_tokens"]
+    assert drafting.reorder_batch_threshold == 1 + NGRAM_DRAFTS["num_speculative_tokens"]
 
 
 @pytest.mark.parametrize("builder_name, query_len", [("plain", 1), ("drafting", 1), ("drafting", 4)])
