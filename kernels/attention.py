@@ -70,15 +70,17 @@ def _codes_as_float(nibbles, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr, COD
     Hopper's tensor cores do not keep full fp32 precision while accumulating, and a 100x bias would magnify that
     loss (seen: 3% error). SUBNORMAL: the code's bits are an fp16 subnormal, code * 2^-24, exact with no OR and
     no subtract; the other MMA operand is fp16 and the caller multiplies the fp32 result by CODE_SCALE = 2^24."""
+    # One return per constexpr branch: Triton keeps compiling past a return inside a constexpr `if`, so an early
+    # return of fp16 beside a later bf16 one fails to compile (the interpreter, which runs Python, does not see it).
     if SUBNORMAL:
-        return nibbles.to(tl.int16).to(tl.float16, bitcast=True)
-    bits = nibbles.to(tl.int16) | CODE_BIAS_BITS
-    if IS_BF16:
-        biased = bits.to(tl.bfloat16, bitcast=True)
-        return biased - tl.full([1, 1], CODE_BIAS, tl.bfloat16)
+        codes = nibbles.to(tl.int16).to(tl.float16, bitcast=True)
+    elif IS_BF16:
+        codes = (nibbles.to(tl.int16) | CODE_BIAS_BITS).to(tl.bfloat16, bitcast=True) - tl.full([1, 1], CODE_BIAS,
+                                                                                                 tl.bfloat16)
     else:
-        biased = bits.to(tl.float16, bitcast=True)
-        return biased - tl.full([1, 1], CODE_BIAS, tl.float16)
+        codes = (nibbles.to(tl.int16) | CODE_BIAS_BITS).to(tl.float16, bitcast=True) - tl.full([1, 1], CODE_BIAS,
+                                                                                                tl.float16)
+    return codes
 
 
 @triton.jit

@@ -1,0 +1,160 @@
+"""Static instruction counts of the decode attention kernel's inner loop on Hopper (sm_90), with no GPU.
+
+The decode kernel is bound by the instructions that turn 4-bit codes into MMA operands, not by memory (~1 TB/s
+of 4.3, docs/performance.md), so the number of SASS instructions per KV tile is the quantity to count first.
+Triton compiles for sm_90 on any machine (ptxas and nvdisasm ship in the triton wheel); this compiles
+``_paged_attention_kernel`` as ``paged_attention`` launches it for decode (specialized like a real launch: 16-byte
+aligned cache/query pointers and strides, metadata pointers unspecialized), disassembles it and prints, per
+variant, the instructions of its hottest loop by class, per KV tile and per code.
+
+    python tools/sass_stats.py                      # both schemes, bf16 queries, both code formats
+    python tools/sass_stats.py --json out.json      # also the full opcode histograms
+
+Counts are static (one pass through the loop body; in int4_kivi the body holds both key paths: the closed-block
+per-channel path that runs for all but the last page, and the per-token path of the open page). They predict, they
+do not measure: the GPU benchmark (tools/bench_kernels.py) decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hopper_compile import compile_only  # noqa: E402
+
+from s4kv.kernels import attention  # noqa: E402
+from s4kv.kernels.layout import HEAD_DIM, KIVI_BLOCK_SIZE, cache_shape, tile_tokens  # noqa: E402
+from s4kv.kernels.scheme import Int4Scheme  # noqa: E402
+
+NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+GROUP, NUM_KV_HEADS = 7, 4  # Qwen2.5-7B: 28 query heads over 4 KV heads
+
+# opcode classes that matter for the unpack-bound loop
+CLASSES = {
+    "mma": ("HMMA", "HGMMA", "IMMA"),
+    "global load": ("LDG",),
+    "shared memory": ("LDS", "STS", "LDSM", "STSM", "LDGSTS"),
+    "int logic/shift/permute": ("LOP3", "LOP", "SHF", "PRMT", "BFE", "SGXT"),
+    "int arith": ("IMAD", "IADD3", "VIADD", "IADD", "ISETP", "IMNMX", "LEA", "ISCADD"),
+    "fp16x2 arith": ("HADD2", "HMUL2", "HFMA2", "HSETP2", "HMNMX2"),
+    "fp32 arith": ("FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FCHK"),
+    "conversion": ("F2F", "F2FP", "I2F", "F2I", "I2FP", "F2IP"),
+    "special function": ("MUFU",),
+    "move/select/shuffle": ("MOV", "SEL", "CS2R", "S2R", "R2UR", "UMOV", "SHFL"),
+}
+
+
+def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.LaunchConfig) -> bytes:
+    """The cubin of the split-KV decode kernel exactly as paged_attention launches it (block 128, GQA 7)."""
+    num_q_heads, num_seqs = GROUP * NUM_KV_HEADS, 2
+    cache = torch.zeros(cache_shape(8, NUM_KV_HEADS, KIVI_BLOCK_SIZE), dtype=torch.uint8)
+    q = torch.zeros(num_seqs, num_q_heads, HEAD_DIM, dtype=dtype)
+    with compile_only() as compiled:
+        attention.paged_attention(
+            q, cache, torch.zeros(num_seqs, 4, dtype=torch.int32), torch.ones(num_seqs, dtype=torch.int32),
+            torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, scheme, torch.empty_like(q),
+            workspace=attention.SplitWorkspace.allocate(num_q_heads, NUM_KV_HEADS, "cpu"), launch=launch)
+    (kernel,) = [c for c in compiled if c.kernel == "_paged_attention_kernel"]
+    return kernel.cubin
+
+
+def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
+    """(address, instruction text) of every SASS instruction, and the address of every branch label."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(NVDISASM), "-c", f.name], check=True, capture_output=True, text=True).stdout
+    instructions, labels, pending = [], {}, []
+    for line in text.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            address = int(m.group(1), 16)
+            labels.update((name, address) for name in pending)
+            pending = []
+            instructions.append((address, m.group(2).strip()))
+    return instructions, labels
+
+
+def _opcode(instruction: str) -> str:
+    text = re.sub(r"^@!?U?P[T0-9]+\s+", "", instruction)  # predicate guard
+    return text.split()[0].split(".")[0]
+
+
+def hottest_loop(instructions: list[tuple[int, str]], labels: dict[str, int]) -> list[str]:
+    """Instructions of the largest loop: the longest span from a backward branch's target to the branch."""
+    best = (0, -1)
+    for index, (address, text) in enumerate(instructions):
+        m = re.search(r"\bBRA\b.*?(\.L_x_\d+)", text)
+        if not m or labels.get(m.group(1), address) >= address:
+            continue
+        start = next(i for i, (a, _) in enumerate(instructions) if a >= labels[m.group(1)])
+        if index - start > best[1] - best[0]:
+            best = (start, index)
+    start, end = best
+    return [text for _, text in instructions[start : end + 1]]
+
+
+def classify(opcodes: Counter) -> dict[str, int]:
+    table = {name: sum(n for op, n in opcodes.items() if op in members) for name, members in CLASSES.items()}
+    table["other"] = sum(opcodes.values()) - sum(table.values())
+    table["total"] = sum(opcodes.values())
+    return table
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def variants(scheme_names: list[str], dtypes: list[str]):
+    for name in scheme_names:
+        scheme = Int4Scheme(name)
+        base = attention.DECODE_LAUNCH[name]
+        for q_dtype in dtypes:
+            for subnormal in (False, True):
+                yield f"{name} {q_dtype} {'subnormal' if subnormal else 'biased'}", scheme, DTYPES[q_dtype], replace(
+                    base, subnormal_codes=subnormal)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schemes", default="int4_kivi,int4_saw")
+    parser.add_argument("--dtypes", default="bf16,fp16")
+    parser.add_argument("--json", type=Path, help="also write every variant's opcode histogram here")
+    args = parser.parse_args(argv)
+
+    rows, histograms = [], {}
+    for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(",")):
+        print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
+        loop = hottest_loop(*disassemble(compile_decode(scheme, q_dtype, launch)))
+        opcodes = Counter(_opcode(text) for text in loop)
+        histograms[label] = dict(opcodes.most_common())
+        tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
+        codes_per_thread = 2 * tile * 128 / (32 * launch.num_warps)  # K and V codes of one tile, per thread
+        rows.append((label, tile, classify(opcodes), codes_per_thread))
+
+    names = list(CLASSES) + ["other", "total"]
+    print("| variant | tile | " + " | ".join(names) + " | instructions per code |")
+    print("|---|---|" + "---|" * len(names) + "---|")
+    for label, tile, table, codes in rows:
+        print(f"| {label} | {tile} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps(histograms, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
