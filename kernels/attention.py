@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from .layout import HEAD_DIM, KIVI_BLOCK_SIZE, PageLayout, tile_tokens
 from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
@@ -31,15 +32,23 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tile (tokens per loop step, divides the page), warps and software-pipeline stages of one launch, and how
-    the kernel turns 4-bit codes into MMA operands (``subnormal_codes``, see _codes_as_float)."""
+    the kernel turns 4-bit codes into MMA operands: ``subnormal_codes`` picks the number format (_codes_as_float),
+    ``ptx_unpack`` does the unpacking with inline PTX, two codes per instruction (_unpack_ptx; GPU only: the
+    Triton interpreter cannot run PTX)."""
 
     tile: int
     num_warps: int
     num_stages: int
     subnormal_codes: bool = False
+    ptx_unpack: bool = False
 
 
-# measured on the H200 by tools/tune_attention.py (docs/tuning-log.md)
+# The ways codes become MMA operands, by name (LaunchConfig fields): what the GPU tests check and the tuning and
+# benchmark tools sweep. "+ptx" needs the GPU compiler.
+CODE_PATHS = {"biased": {}, "subnormal": {"subnormal_codes": True},
+              "biased+ptx": {"ptx_unpack": True}, "subnormal+ptx": {"subnormal_codes": True, "ptx_unpack": True}}
+
+# measured on the H200 by tools/tune_attention.py (docs/performance.md, tuning log)
 DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3),
                  "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=3)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
@@ -83,14 +92,72 @@ def _codes_as_float(nibbles, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr, COD
     return codes
 
 
+# Inline PTX for _unpack_ptx: 4 packed code bytes in $4 (element k = byte k) become their 4 low-nibble codes in
+# $0, $1 and their 4 high-nibble codes in $2, $3, two 16-bit lanes per register (element k in lane k % 2). One
+# prmt spreads two bytes into the two lanes; one lop3 masks a nibble per lane and ORs the bias exponent in; one
+# packed subtract takes the bias off: about 1.6 instructions per code where per-element Triton ops take ~3.3.
+_PTX_SPREAD = """
+    .reg .b32 lo01, lo23, hi01, hi23, shifted;
+    prmt.b32 lo01, $4, 0, 0x4140;
+    prmt.b32 lo23, $4, 0, 0x4342;
+    shr.b32 shifted, $4, 4;
+    prmt.b32 hi01, shifted, 0, 0x4140;
+    prmt.b32 hi23, shifted, 0, 0x4342;"""
+
+
+def _ptx_unpack_source(bias_bits: int | None, subtract: str = "") -> str:
+    """The asm of one code format: bias_bits None = fp16 subnormals (mask only), else OR the bias, subtract it."""
+    if bias_bits is None:
+        body = "".join(f"\n    and.b32 ${out}, {src}, 0x000F000F;"
+                       for out, src in enumerate(("lo01", "lo23", "hi01", "hi23")))
+        return "{" + _PTX_SPREAD + body + "\n}"
+    bias = f"0x{bias_bits:04X}{bias_bits:04X}"
+    body = f"\n    .reg .b32 t, bias;\n    mov.b32 bias, {bias};" + "".join(
+        f"\n    lop3.b32 t, {src}, 0x000F000F, {bias}, 0xEA;\n    {subtract} ${out}, t, bias;"
+        for out, src in enumerate(("lo01", "lo23", "hi01", "hi23")))
+    return "{" + _PTX_SPREAD + body + "\n}"
+
+
+_PTX_SUBNORMAL = tl.constexpr(_ptx_unpack_source(None))
+_PTX_BIASED_BF16 = tl.constexpr(_ptx_unpack_source(0x4300, "sub.rn.bf16x2"))  # 128.0: ulp 1, as _code_format
+_PTX_BIASED_FP16 = tl.constexpr(_ptx_unpack_source(0x6400, "sub.rn.f16x2"))  # 1024.0
+
+
 @triton.jit
-def _load_codes(cache_u8_ptr, page, region, offset, written, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr,
+def _unpack_ptx(packed, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr):
+    """(low-nibble codes, high-nibble codes) of uint8 ``packed``, bit-identical to _codes_as_float's."""
+    if SUBNORMAL:
+        lo, hi = tl.inline_asm_elementwise(_PTX_SUBNORMAL, "=r,=r,=r,=r,r", [packed],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    elif IS_BF16:
+        lo, hi = tl.inline_asm_elementwise(_PTX_BIASED_BF16, "=r,=r,=r,=r,r", [packed],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(_PTX_BIASED_FP16, "=r,=r,=r,=r,r", [packed],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
+def _load_codes(cache_u8_ptr, page, region, offset, CHANNEL_MAJOR: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr,
                 CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr):
-    """A tile's codes as two [TILE, 64] halves (channels j and j + 64), exact, in the query dtype."""
+    """A tile's codes as two [TILE, 64] halves (channels j and j + 64), exact, in the query dtype.
+
+    Unmasked: slots past a sequence's end hold stale bytes, but every code is a finite 0..15 and the caller
+    zeroes what such slots contribute (scores masked to -inf, value params loaded as 0). A mask that varies
+    along the contiguous dimension would also cost the vector loads of the channel-major V region."""
     ch = tl.arange(0, 64)
-    packed = tl.load(cache_u8_ptr + page + region + offset[:, None] * 64 + ch[None, :], mask=written[:, None], other=0)
-    return (_codes_as_float(packed & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
-            _codes_as_float(packed >> 4, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS))
+    if CHANNEL_MAJOR:  # V: byte j of token t at j * BLOCK_SIZE + t (layout.py); the transpose is a layout change
+        packed = tl.trans(tl.load(cache_u8_ptr + page + region + ch[:, None] * BLOCK_SIZE + offset[None, :]))
+    else:
+        packed = tl.load(cache_u8_ptr + page + region + offset[:, None] * 64 + ch[None, :])
+    if PTX_UNPACK:
+        lo, hi = _unpack_ptx(packed, SUBNORMAL, IS_BF16)
+    else:
+        lo = _codes_as_float(packed & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+        hi = _codes_as_float(packed >> 4, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+    return lo, hi
 
 
 @triton.jit
@@ -128,8 +195,8 @@ def _paged_attention_kernel(
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_table_stride, stride_block, stride_head,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_KIVI: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, ROTATE_V: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr, IS_BF16: tl.constexpr,
-    CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
+    IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -179,12 +246,12 @@ def _paged_attention_kernel(
             logical_block = start // BLOCK_SIZE
             physical = tl.load(block_table_ptr + seq * block_table_stride + logical_block).to(tl.int64)
             page = physical * stride_block + kv_head * stride_head
-            offset = start % BLOCK_SIZE + tl.arange(0, TILE)
+            offset = tl.multiple_of(start % BLOCK_SIZE, TILE) + tl.arange(0, TILE)  # aligned: vector loads
             k_pos = start + tl.arange(0, TILE)
             # slots past the sequence end hold stale bytes: never let them reach the P @ V product
             written = k_pos < seq_len
-            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, written, SUBNORMAL, IS_BF16, CODE_BIAS_BITS,
-                                     CODE_BIAS)
+            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL,
+                                     IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
             k_params = (page + layout_k_params) // 2
             if IS_KIVI:
                 if (logical_block + 1) * BLOCK_SIZE <= seq_len:
@@ -202,8 +269,8 @@ def _paged_attention_kernel(
             p = tl.exp2(scores - m_ref[:, None])
             alpha = tl.exp2(m_i - m_ref)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, written, SUBNORMAL, IS_BF16,
-                                     CODE_BIAS_BITS, CODE_BIAS)
+            v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, True, BLOCK_SIZE, PTX_UNPACK,
+                                     SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
             sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written)
             p_scaled = (p * sv[None, :]).to(dt)
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo)
@@ -328,6 +395,8 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     else:
         block_m = max(64, triton.next_power_of_2(group))
         block_q, launch = block_m // group, launch or PREFILL_LAUNCH
+    if launch.ptx_unpack and isinstance(_paged_attention_kernel, InterpretedFunction):
+        raise ValueError("LaunchConfig.ptx_unpack runs inline PTX, which the Triton interpreter cannot run")
     num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None) else 1
     if num_splits > 1 and workspace.num_q_heads != num_q_heads:
         raise ValueError("workspace was allocated for another number of query heads")
@@ -343,7 +412,8 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         kv_cache.stride(0), kv_cache.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile_tokens(block_size, launch.tile), BLOCK_SIZE=block_size,
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=KIVI_STAGING_BLOCK if scheme.is_kivi else scheme.hadamard_block,
-        ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, **_code_format(query.dtype, launch.subnormal_codes),
+        ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack,
+        **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if num_splits > 1:

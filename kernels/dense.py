@@ -72,8 +72,8 @@ def _gather_dense_kernel(
         else:
             k_lo, k_hi = _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK)
 
-        v_bytes = tl.load(cache_u8_ptr + page + 64 * BLOCK_SIZE + offset[:, None] * 64 + ch[None, :],
-                          mask=cached[:, None], other=0)
+        v_bytes = tl.load(cache_u8_ptr + page + 64 * BLOCK_SIZE + offset[:, None] + ch[None, :] * BLOCK_SIZE,
+                          mask=cached[:, None], other=0)  # channel-major (layout.py)
         s_v, m_v = load_token_params(cache_f16_ptr, (page + 128 * BLOCK_SIZE) // 2, offset, cached)
         v_lo = (v_bytes & 15).to(tl.float32) * s_v[:, None] + m_v[:, None]
         v_hi = (v_bytes >> 4).to(tl.float32) * s_v[:, None] + m_v[:, None]

@@ -5,14 +5,19 @@ vLLM 0.26.0 sizes an ``int4_per_token_head`` page as ``block_size * num_kv_heads
 Both S4 KV schemes fill exactly that budget. The cache tensor handed to a backend is
 ``uint8[num_blocks, num_kv_heads, block_size * 136]``: one contiguous region per (block, KV head)::
 
-    [0,        64*B)    K codes, token-major, 64 B per token
-    [64*B,    128*B)    V codes, token-major, 64 B per token
+    [0,        64*B)    K codes, token-major: token t at 64*t .. 64*t + 63
+    [64*B,    128*B)    V codes, channel-major: code byte j of token t at 64*B + j*B + t
     [128*B,   132*B)    V params: token t -> (fp16 scale, fp16 min)
     [132*B,   136*B)    K params: int4_saw and an open int4_kivi block: token t -> (fp16 scale, fp16 min);
                         a closed int4_kivi block: channel c -> (fp16 scale, fp16 min)  (needs B == 128)
 
 A code byte j holds channel j in its low nibble and channel j + 64 in its high nibble, so
 each half of a head vector is a contiguous slice. Dequantization is ``x = code * scale + min``.
+
+Why V is channel-major: attention reads V as the second operand of P @ V, whose reduction runs over tokens, so
+a tensor-core fragment pairs consecutive tokens of one channel. Channel-major, those are adjacent bytes
+(vector loads); token-major, they are 64 bytes apart and the kernel gathers them one byte at a time. K is the
+second operand of Q K^T, reduced over channels: token-major keeps its channels adjacent.
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ class PageViews:
         lay = PageLayout(self.block_size)
         b = self.block_size
         self.k_codes = kv_cache[:, :, lay.k_codes : lay.v_codes].view(nb, nh, b, HALF_DIM)
-        self.v_codes = kv_cache[:, :, lay.v_codes : lay.v_params].view(nb, nh, b, HALF_DIM)
+        # channel-major in memory; the view is [block, head, token, byte] like k_codes
+        self.v_codes = kv_cache[:, :, lay.v_codes : lay.v_params].view(nb, nh, HALF_DIM, b).transpose(2, 3)
         self.v_params = kv_cache[:, :, lay.v_params : lay.k_params].view(torch.float16).view(nb, nh, b, 2)
         self.k_params = kv_cache[:, :, lay.k_params : lay.page_bytes].view(torch.float16).view(nb, nh, b, 2)
 

@@ -24,7 +24,7 @@ TOKENS_PER_PROGRAM = 16
 def _store_per_token_kernel(
     src_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr,
     num_tokens, src_stride_t, src_stride_h, stride_block, stride_head,
-    CODES_OFFSET: tl.constexpr, PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CODES_OFFSET: tl.constexpr, PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
     ROTATE: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, TOKENS: tl.constexpr,
 ):
     head = tl.program_id(1)
@@ -47,7 +47,11 @@ def _store_per_token_kernel(
     block = tl.where(live, slot // BLOCK_SIZE, 0)
     offset = tl.where(live, slot % BLOCK_SIZE, 0)
     page = block * stride_block + head * stride_head
-    tl.store(cache_u8_ptr + (page + CODES_OFFSET + offset * 64)[:, None] + ch[None, :], packed, mask=live[:, None])
+    if CHANNEL_MAJOR:  # V codes (layout.py): byte j of token t at j * BLOCK_SIZE + t
+        codes = (page + CODES_OFFSET + offset)[:, None] + ch[None, :] * BLOCK_SIZE
+    else:
+        codes = (page + CODES_OFFSET + offset * 64)[:, None] + ch[None, :]
+    tl.store(cache_u8_ptr + codes, packed, mask=live[:, None])
     params = (page + PARAMS_OFFSET) // 2 + offset * 2
     tl.store(cache_f16_ptr + params, scale.to(tl.float16), mask=live)
     tl.store(cache_f16_ptr + params + 1, minimum.to(tl.float16), mask=live)
@@ -111,14 +115,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     cache_f16 = kv_cache.view(torch.float16)
     common = dict(BLOCK_SIZE=block_size, HADAMARD_BLOCK=scheme.hadamard_block, TOKENS=TOKENS_PER_PROGRAM)
     grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)
-    for src, codes_offset, params_offset, rotate in (
-        (key, layout.k_codes, layout.k_params, True),
-        (value, layout.v_codes, layout.v_params, scheme.rotate_values),
+    for src, codes_offset, params_offset, channel_major, rotate in (
+        (key, layout.k_codes, layout.k_params, False, True),
+        (value, layout.v_codes, layout.v_params, True, scheme.rotate_values),
     ):
         _store_per_token_kernel[grid](
             src, slot_mapping, kv_cache, cache_f16,
             num_tokens, src.stride(0), src.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-            CODES_OFFSET=codes_offset, PARAMS_OFFSET=params_offset, ROTATE=rotate, **common,
+            CODES_OFFSET=codes_offset, PARAMS_OFFSET=params_offset, CHANNEL_MAJOR=channel_major, ROTATE=rotate,
+            **common,
         )
     if scheme.is_kivi:
         _kivi_close_kernel[(num_tokens, num_kv_heads)](

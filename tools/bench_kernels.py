@@ -8,7 +8,8 @@ Decode attention (one query token per sequence) with the Qwen2.5-7B attention sh
   vllm_int4  vLLM 0.26.0's int4_per_token_head path (block 16): unified_attention_int4, RHT of q/out included,
              3D split-KV up to 32 sequences like its TRITON_ATTN backend
   s4kv_kivi, s4kv_saw   s4kv.kernels.attention.paged_attention (block 128), its default launch
-  s4kv_kivi_sub, s4kv_saw_sub   the same with LaunchConfig.subnormal_codes (codes as fp16 subnormal MMA operands)
+  s4kv_*_sub, s4kv_*_ptx, s4kv_*_sub_ptx   the same with the other code paths (attention.CODE_PATHS: codes as
+             fp16 subnormal MMA operands, and/or unpacked by inline PTX)
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
 
 Every cache is filled through its own store path from the same random K/V, pages are handed out in a
@@ -38,7 +39,10 @@ import torch
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 4, 128
 BYTES_PER_TOKEN_HEAD = {"int4": 136, "bf16": 2 * HEAD_DIM * 2}
-METHODS = ("fa3_bf16", "vllm_int4", "s4kv_kivi", "s4kv_saw", "s4kv_kivi_sub", "s4kv_saw_sub")
+# code path (kernels.attention.CODE_PATHS) -> method-name suffix
+CODE_PATH_SUFFIX = {"biased": "", "subnormal": "_sub", "biased+ptx": "_ptx", "subnormal+ptx": "_sub_ptx"}
+METHODS = ("fa3_bf16", "vllm_int4") + tuple(f"s4kv_{scheme}{suffix}" for suffix in CODE_PATH_SUFFIX.values()
+                                             for scheme in ("kivi", "saw"))
 FORMAT_OF = {method: "bf16" if method == "fa3_bf16" else "int4" for method in METHODS}
 VLLM_BLOCK_SIZE = 16  # vLLM 0.26.0's default block size for FLASH_ATTN and TRITON_ATTN
 S4KV_BLOCK_SIZE = 128  # our backend forces 128 (a KIVI key group is one page)
@@ -235,10 +239,10 @@ def build_vllm_int4(problem: DecodeProblem, block_table: torch.Tensor, out: torc
         seq_threshold_3D=VLLM_SEQ_THRESHOLD_3D, num_par_softmax_segments=VLLM_SOFTMAX_SEGMENTS, **buffers)
 
 
-def build_s4kv(scheme_name: str, subnormal_codes: bool, problem: DecodeProblem, block_table: torch.Tensor,
+def build_s4kv(scheme_name: str, code_path: str, problem: DecodeProblem, block_table: torch.Tensor,
                out: torch.Tensor):
-    """Our cache filled by our store kernel, read by our paged attention (default launch, or subnormal codes)."""
-    from s4kv.kernels.attention import DECODE_LAUNCH, SplitWorkspace, paged_attention
+    """Our cache filled by our store kernel, read by our paged attention (default launch, with a code path)."""
+    from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, SplitWorkspace, paged_attention
     from s4kv.kernels.layout import cache_shape
     from s4kv.kernels.scheme import Int4Scheme
     from s4kv.kernels.store import store_kv
@@ -250,7 +254,7 @@ def build_s4kv(scheme_name: str, subnormal_codes: bool, problem: DecodeProblem, 
         store_kv(key, value, cache, slots, scheme)
     workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, problem.device)  # as our backend's builder does
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
-    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], subnormal_codes=subnormal_codes)
+    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
     return lambda: paged_attention(problem.query, cache, block_table, seq_lens, cu_q, 1, HEAD_DIM ** -0.5, scheme,
                                    out, workspace=workspace, launch=launch)
 
@@ -259,10 +263,8 @@ def build_s4kv(scheme_name: str, subnormal_codes: bool, problem: DecodeProblem, 
 DECODE_METHODS = {
     "fa3_bf16": (VLLM_BLOCK_SIZE, build_fa3),
     "vllm_int4": (VLLM_BLOCK_SIZE, build_vllm_int4),
-    "s4kv_kivi": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_kivi", False)),
-    "s4kv_saw": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_saw", False)),
-    "s4kv_kivi_sub": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_kivi", True)),
-    "s4kv_saw_sub": (S4KV_BLOCK_SIZE, partial(build_s4kv, "int4_saw", True)),
+    **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, f"int4_{scheme}", code_path))
+       for code_path, suffix in CODE_PATH_SUFFIX.items() for scheme in ("kivi", "saw")},
 }
 
 

@@ -91,7 +91,7 @@ def _pages(num_blocks: int, num_kv_heads: int, block_size: int) -> torch.Tensor:
 
 
 def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_heads: int = 4) -> None:
-    """Every launch the backend makes, once per scheme, query dtype and code format (compile_only records them)."""
+    """Every launch the backend makes, once per scheme, query dtype and code path (compile_only records them)."""
     from s4kv.kernels import attention
     from s4kv.kernels.dense import gather_dense_kv
     from s4kv.kernels.layout import HEAD_DIM, KIVI_BLOCK_SIZE
@@ -107,9 +107,9 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             cache = _pages(num_blocks, num_kv_heads, block_size)
             kv = torch.zeros(5, num_kv_heads, HEAD_DIM, dtype=dtype)
             store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme)
-            for subnormal in (False, True):
-                decode_launch = replace(attention.DECODE_LAUNCH[scheme.name], subnormal_codes=subnormal)
-                prefill_launch = replace(attention.PREFILL_LAUNCH, subnormal_codes=subnormal)
+            for code_path in attention.CODE_PATHS.values():
+                decode_launch = replace(attention.DECODE_LAUNCH[scheme.name], **code_path)
+                prefill_launch = replace(attention.PREFILL_LAUNCH, **code_path)
                 workspace = attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, "cpu")
                 q = torch.zeros(num_seqs, num_q_heads, HEAD_DIM, dtype=dtype)
                 decode_qsl = torch.arange(num_seqs + 1, dtype=torch.int32)

@@ -119,38 +119,49 @@ def classify(opcodes: Counter) -> dict[str, int]:
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def variants(scheme_names: list[str], dtypes: list[str]):
+def parse_launch(text: str) -> attention.LaunchConfig:
+    """TILExWARPSxSTAGES, e.g. 64x4x3."""
+    tile, warps, stages = (int(part) for part in text.split("x"))
+    return attention.LaunchConfig(tile=tile, num_warps=warps, num_stages=stages)
+
+
+def variants(scheme_names: list[str], dtypes: list[str], launches: list[str]):
     for name in scheme_names:
         scheme = Int4Scheme(name)
-        base = attention.DECODE_LAUNCH[name]
-        for q_dtype in dtypes:
-            for subnormal in (False, True):
-                yield f"{name} {q_dtype} {'subnormal' if subnormal else 'biased'}", scheme, DTYPES[q_dtype], replace(
-                    base, subnormal_codes=subnormal)
+        for base in [parse_launch(text) for text in launches] or [attention.DECODE_LAUNCH[name]]:
+            for q_dtype in dtypes:
+                for code_path, options in attention.CODE_PATHS.items():
+                    yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schemes", default="int4_kivi,int4_saw")
     parser.add_argument("--dtypes", default="bf16,fp16")
+    parser.add_argument("--launches", default="",
+                        help="comma-separated TILExWARPSxSTAGES to compare (default: each scheme's DECODE_LAUNCH)")
     parser.add_argument("--json", type=Path, help="also write every variant's opcode histogram here")
     args = parser.parse_args(argv)
 
     rows, histograms = [], {}
-    for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(",")):
+    for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(","),
+                                                    [t for t in args.launches.split(",") if t]):
         print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
         loop = hottest_loop(*disassemble(compile_decode(scheme, q_dtype, launch)))
         opcodes = Counter(_opcode(text) for text in loop)
-        histograms[label] = dict(opcodes.most_common())
         tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
+        label = f"{label} {tile}x{launch.num_warps}x{launch.num_stages}"
+        histograms[label] = dict(opcodes.most_common())
         codes_per_thread = 2 * tile * 128 / (32 * launch.num_warps)  # K and V codes of one tile, per thread
-        rows.append((label, tile, classify(opcodes), codes_per_thread))
+        rows.append((label, classify(opcodes), codes_per_thread))
 
     names = list(CLASSES) + ["other", "total"]
-    print("| variant | tile | " + " | ".join(names) + " | instructions per code |")
-    print("|---|---|" + "---|" * len(names) + "---|")
-    for label, tile, table, codes in rows:
-        print(f"| {label} | {tile} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} |")
+    # a thread's instructions per tile over its share of the tile's codes = issue slots per code, comparable
+    # across tiles and warp counts
+    print("| variant (tile x warps x stages) | " + " | ".join(names) + " | instructions per code |")
+    print("|---|" + "---|" * len(names) + "---|")
+    for label, table, codes in rows:
+        print(f"| {label} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} |")
     if args.json:
         args.json.write_text(json.dumps(histograms, indent=1))
     return 0

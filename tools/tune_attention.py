@@ -1,19 +1,21 @@
 """Sweep the attention kernel's launch configurations on the GPU and print the fastest per shape.
 
-python tools/tune_attention.py   (H200: about two minutes; each config with and without subnormal codes). The winners become DECODE_LAUNCH / PREFILL_LAUNCH in
-kernels/attention.py; docs/tuning-log.md keeps what was measured.
+python tools/tune_attention.py   (H200: about five minutes: every tile/warps/stages config with every code path of
+attention.CODE_PATHS, per scheme). The winners become DECODE_LAUNCH / PREFILL_LAUNCH in
+kernels/attention.py; the tuning log in docs/performance.md keeps what was measured.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 
 import torch
 import triton
 
-from s4kv.kernels.attention import LaunchConfig, SplitWorkspace, paged_attention
+from s4kv.kernels.attention import CODE_PATHS, LaunchConfig, SplitWorkspace, paged_attention
 from s4kv.kernels.scheme import Int4Scheme
 
 B = 128
@@ -38,10 +40,11 @@ def main():
     results = []
     decode_cases = [(1, 32768), (32, 16384), (256, 4096)]
     prefill_cases = [(4, 4096, 512)]
-    decode_grid = [LaunchConfig(t, w, s, sub) for t, w, s, sub in itertools.product((64, 128), (4, 8), (2, 3),
-                                                                                     (False, True))]
-    prefill_grid = [LaunchConfig(t, w, s, sub) for t, w, s, sub in itertools.product((32, 64), (4, 8), (2,),
-                                                                                      (False, True))]
+    # warps 2: the static count (tools/sass_stats.py) says fewer warps per tile re-load q less often
+    decode_grid = [(codes, LaunchConfig(t, w, s, **CODE_PATHS[codes]))
+                   for codes, t, w, s in itertools.product(CODE_PATHS, (64, 128), (2, 4, 8), (2, 3))]
+    prefill_grid = [(codes, LaunchConfig(t, w, s, **CODE_PATHS[codes]))
+                    for codes, t, w, s in itertools.product(CODE_PATHS, (32, 64), (4, 8), (2,))]
     for scheme in (Int4Scheme("int4_kivi"), Int4Scheme("int4_saw")):
         for kind, cases, grid in (("decode", decode_cases, decode_grid), ("prefill", prefill_cases, prefill_grid)):
             for case in cases:
@@ -51,7 +54,7 @@ def main():
                 out = torch.empty_like(q)
                 for targets in (4,):
                     ws = SplitWorkspace.allocate(HQ, HKV, "cuda", target_programs=targets * 132) if kind == "decode" else None
-                    for cfg in grid:
+                    for codes, cfg in grid:
                         try:
                             ms = triton.testing.do_bench(
                                 lambda: paged_attention(q, cache, bt, sl, qsl, q_len, 0.088, scheme, out, ws, cfg),
@@ -61,25 +64,29 @@ def main():
                             continue
                         nbytes = batch * ctx * HKV * 136
                         results.append(dict(scheme=scheme.name, kind=kind, batch=batch, ctx=ctx, q_len=q_len,
-                                            targets=targets, tile=cfg.tile, warps=cfg.num_warps,
+                                            targets=targets, codes=codes, tile=cfg.tile, warps=cfg.num_warps,
                                             stages=cfg.num_stages, us=ms * 1e3, gbps=nbytes / ms / 1e6))
                 best = min((r for r in results if (r["scheme"], r["kind"], r["batch"], r["ctx"]) ==
                             (scheme.name, kind, batch, ctx)), key=lambda r: r["us"])
                 print(f"{scheme.name:10s} {kind:7s} b={batch:<4d} ctx={ctx:<6d} q={q_len:<5d} best {best['us']:8.1f} us "
-                      f"{best['gbps']:6.0f} GB/s tile={best['tile']} warps={best['warps']} stages={best['stages']} "
-                      f"targets={best['targets']}", flush=True)
+                      f"{best['gbps']:6.0f} GB/s codes={best['codes']} tile={best['tile']} warps={best['warps']} "
+                      f"stages={best['stages']} targets={best['targets']}", flush=True)
                 del cache
-    # one config for all decode shapes: the lowest geometric-mean time
-    for kind in ("decode", "prefill"):
-        rows = [r for r in results if r["kind"] == kind]
-        keys = {(r["tile"], r["warps"], r["stages"], r["targets"]) for r in rows}
-        shapes = {(r["scheme"], r["batch"], r["ctx"]) for r in rows}
-        def score(k):
-            import math
-            sel = [r["us"] for r in rows if (r["tile"], r["warps"], r["stages"], r["targets"]) == k]
-            return math.exp(sum(math.log(x) for x in sel) / len(sel)) if len(sel) == len(shapes) else float("inf")
-        best = min(keys, key=score)
-        print(f"overall best {kind}: tile,warps,stages,targets={best} geomean {score(best):.1f} us")
+    # one config per scheme and kind for all its shapes: the lowest geometric-mean time
+    def config(r):
+        return r["codes"], r["tile"], r["warps"], r["stages"], r["targets"]
+
+    for scheme_name, kind in itertools.product(("int4_kivi", "int4_saw"), ("decode", "prefill")):
+        rows = [r for r in results if (r["scheme"], r["kind"]) == (scheme_name, kind)]
+        shapes = {(r["batch"], r["ctx"]) for r in rows}
+
+        def score(key):
+            sel = [r["us"] for r in rows if config(r) == key]
+            return math.exp(sum(map(math.log, sel)) / len(sel)) if len(sel) == len(shapes) else float("inf")
+
+        best = min({config(r) for r in rows}, key=score)
+        print(f"overall best {scheme_name} {kind}: codes,tile,warps,stages,targets={best} "
+              f"geomean {score(best):.1f} us")
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "tune_attention.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -91,3 +91,12 @@ def test_fill_chunks_store_every_token_once_with_the_documented_rows(bk, monkeyp
         assert torch.equal(got, pool[0, rows])
     assert torch.equal(problem.seq_lens, torch.full((batch,), context, dtype=torch.int32))
     assert torch.equal(problem.query_start_loc, torch.arange(batch + 1, dtype=torch.int32))
+
+
+def test_every_code_path_of_the_kernel_is_benchmarked_for_both_schemes(bk):
+    from s4kv.kernels.attention import CODE_PATHS
+
+    assert set(bk.CODE_PATH_SUFFIX) == set(CODE_PATHS)
+    ours = {m for m in bk.DECODE_METHODS if m.startswith("s4kv_")}
+    assert ours == {f"s4kv_{s}{x}" for s in ("kivi", "saw") for x in bk.CODE_PATH_SUFFIX.values()}
+    assert set(bk.METHODS) == set(bk.DECODE_METHODS) and bk.METHODS[0] == "fa3_bf16"

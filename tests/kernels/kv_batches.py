@@ -14,6 +14,17 @@ from s4kv.kernels.scheme import Int4Scheme
 NULL_BLOCK = 0  # never handed to a sequence: it stays poisoned, and block-table padding points at it
 
 
+def entry_bytes(layout: PageLayout, region: str, entry: int) -> list[int]:
+    """Region-relative byte addresses of one entry (a token, or a closed KIVI block's channel for k_params) of a
+    page region, from docs/format.md: K codes token-major, V codes channel-major, params 4 bytes per entry."""
+    start = getattr(layout, region)
+    if region == "k_codes":
+        return [start + 64 * entry + j for j in range(64)]
+    if region == "v_codes":
+        return [start + j * layout.block_size + entry for j in range(64)]
+    return [start + 4 * entry + j for j in range(4)]
+
+
 def poisoned_cache(num_blocks: int, num_kv_heads: int, block_size: int, gen: torch.Generator, device) -> torch.Tensor:
     """A cache full of random bytes: whatever a kernel reads without writing it first is garbage (often NaN/inf)."""
     shape = cache_shape(num_blocks, num_kv_heads, block_size)
@@ -160,8 +171,8 @@ def written_byte_mask(slot_mapping: torch.Tensor, kv_cache: torch.Tensor, scheme
     tokens, closed = written_slots(slot_mapping, num_blocks, bsz, scheme)
     mask = torch.zeros(num_blocks, 1, page, dtype=torch.bool)
     for blk, off in tokens.nonzero().tolist():
-        for start, size in ((lay.k_codes, 64), (lay.v_codes, 64), (lay.v_params, 4), (lay.k_params, 4)):
-            mask[blk, 0, start + size * off : start + size * (off + 1)] = True
+        for region in ("k_codes", "v_codes", "v_params", "k_params"):
+            mask[blk, 0, entry_bytes(lay, region, off)] = True
     mask[closed, 0, lay.k_codes : lay.v_codes] = True
     mask[closed, 0, lay.k_params :] = True
     return mask.to(kv_cache.device)

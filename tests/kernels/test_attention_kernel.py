@@ -14,7 +14,7 @@ import torch
 from kv_batches import cache_with_prefix, make_paged_batch, relative_error, with_guard_blocks
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.attention import DECODE_LAUNCH, PREFILL_LAUNCH, SplitWorkspace, paged_attention
+from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SplitWorkspace, paged_attention
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
 
@@ -112,20 +112,40 @@ def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, schem
                            f"{scheme_name} GQA {group} target_programs {target_programs}")
 
 
+# inline PTX cannot run under the interpreter: those paths run with the GPU tests (tests/kernels/run_gpu.sh)
+OTHER_CODE_PATHS = [pytest.param(name, marks=[pytest.mark.gpu] if "ptx" in name else [])
+                    for name in CODE_PATHS if name != "biased"]
+
+
+@pytest.mark.parametrize("code_path", OTHER_CODE_PATHS)
 @pytest.mark.parametrize("specs", [MIXED, DECODE], ids=["mixed", "decode-split"])
 @pytest.mark.parametrize("scheme_name", ["kivi", "saw64-rotv"])
-def test_subnormal_codes_match_the_reference(gen, kernel_device, scheme_name, specs):
-    """The launch option that feeds codes to the MMA as fp16 subnormals (code * 2^-24, rescaled in fp32): same
-    attention as the reference, on the one-pass prefill path and the split-KV decode path."""
+def test_other_code_paths_match_the_reference(gen, kernel_device, scheme_name, specs, code_path):
+    """The launch options that feed codes to the MMA as fp16 subnormals (code * 2^-24, rescaled in fp32) and/or
+    unpack them with inline PTX: same attention as the reference, on the one-pass prefill path and the split-KV
+    decode path (the default path is every other test's)."""
     scheme = SCHEMES[scheme_name]
     batch = make_paged_batch(gen, specs, 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
     decode = batch.max_query_len == 1
-    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name] if decode else PREFILL_LAUNCH, subnormal_codes=True)
+    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name] if decode else PREFILL_LAUNCH, **CODE_PATHS[code_path])
     workspace = SplitWorkspace.allocate(8, 2, kernel_device, target_programs=32) if decode else None
     assert_attention_close(run_kernel(batch, cache, scheme, workspace, launch), run_reference(batch, cache, scheme),
-                           f"{scheme_name} subnormal codes")
+                           f"{scheme_name} {code_path} codes")
+
+
+def test_ptx_unpack_is_refused_by_the_interpreter():
+    """Off the GPU the option is an error naming the cause, never a silent fall-back to another path."""
+    if torch.cuda.is_available():
+        pytest.skip("the GPU runs inline PTX")
+    scheme = SCHEMES["saw128"]
+    q = torch.zeros(1, 8, 128, dtype=torch.float16)
+    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], ptx_unpack=True)
+    with pytest.raises(ValueError, match="inline PTX"):
+        paged_attention(q, torch.zeros(2, 2, 136 * 128, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.int32),
+                        torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.1, scheme,
+                        torch.empty_like(q), launch=launch)
 
 
 def test_decode_with_and_without_workspace_agree(gen, kernel_device):

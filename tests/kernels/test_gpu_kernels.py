@@ -27,7 +27,7 @@ from kv_batches import (
 )
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.attention import DECODE_LAUNCH, PREFILL_LAUNCH, SplitWorkspace, paged_attention
+from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SplitWorkspace, paged_attention
 from s4kv.kernels.dense import gather_dense_kv
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
@@ -102,12 +102,13 @@ def code_mismatch(actual: torch.Tensor, expected: torch.Tensor, before: torch.Te
     return differing / max(rewritten, 1)
 
 
-@pytest.mark.parametrize("codes", ["biased", "subnormal"])
+@pytest.mark.parametrize("codes", list(CODE_PATHS))
 @pytest.mark.parametrize("kind", ["mixed", "decode64"])
 @pytest.mark.parametrize("scheme_name", list(SCHEMES))
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, scheme_name, kind, codes):
-    """``codes``: the attention launch's default, or LaunchConfig.subnormal_codes (fp16 subnormal MMA operands)."""
+    """``codes``: how the attention launch turns codes into MMA operands (attention.CODE_PATHS; "biased" is the
+    default): fp16 subnormals and/or inline-PTX unpacking."""
     scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
     gen = gpu_gen(request)
     batch = make_paged_batch(gen, batch_specs(kind, gen), NUM_Q_HEADS, NUM_KV_HEADS, block_size=128, dtype=dtype,
@@ -122,7 +123,7 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
 
     workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, "cuda") if batch.max_query_len == 1 else None
     launch = DECODE_LAUNCH[scheme.name] if batch.max_query_len == 1 else PREFILL_LAUNCH
-    launch = dataclasses.replace(launch, subnormal_codes=codes == "subnormal")
+    launch = dataclasses.replace(launch, **CODE_PATHS[codes])
     out = torch.full_like(batch.query, float("nan"))
     paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
                     batch.max_query_len, SOFTMAX_SCALE, scheme, out, workspace=workspace, launch=launch)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from kv_batches import (
     cache_with_prefix,
+    entry_bytes,
     causal_attention,
     make_paged_batch,
     poisoned_cache,
@@ -250,25 +251,21 @@ def test_each_page_view_writes_only_its_documented_bytes(gen, block_size):
     """Poison a cache, write one entry through each view, check exactly the documented bytes changed."""
     num_blocks, num_heads = 3, 2
     lay = PageLayout(block_size)
-    regions = {  # view name -> (start of region, bytes per entry), from docs/format.md
-        "k_codes": (lay.k_codes, 64), "v_codes": (lay.v_codes, 64),
-        "v_params": (lay.v_params, 4), "k_params": (lay.k_params, 4),
-    }
-    for name, (start, size) in regions.items():
+    for name in ("k_codes", "v_codes", "v_params", "k_params"):
         blk, head, entry = 1, 1, int(torch.randint(0, block_size, (1,), generator=gen))
         cache = poisoned_cache(num_blocks, num_heads, block_size, gen, "cpu")
         before = cache.clone()
         view = getattr(ref.PageViews(cache), name)
+        documented = entry_bytes(lay, name, entry)
         if name.endswith("codes"):
-            view[blk, head, entry] = ~before[blk, head, start + size * entry : start + size * (entry + 1)]
+            view[blk, head, entry] = ~before[blk, head, documented]
         else:
             view[blk, head, entry] = torch.tensor([1.5, -2.25], dtype=torch.float16)
         changed = (cache != before).nonzero().tolist()
-        expected = [[blk, head, start + size * entry + i] for i in range(size)]
+        expected = sorted([blk, head, byte] for byte in documented)
         if name.endswith("params"):  # some bytes of the new fp16 pair may equal the poison by chance
             assert set(map(tuple, changed)) <= set(map(tuple, expected)) and changed
-            raw = cache[blk, head, start + size * entry : start + size * (entry + 1)]
-            assert raw.view(torch.float16).tolist() == [1.5, -2.25]
+            assert cache[blk, head, documented].view(torch.float16).tolist() == [1.5, -2.25]
         else:
             assert changed == expected, name
 
@@ -481,7 +478,7 @@ def test_worked_example_of_docs_format_md():
     region = (9 * 4 + 1) * 17408
     assert region == 644_096
     assert flat[region + 16404 : region + 16408].tolist() == [0x43, 0x35, 0xE5, 0xC0]
-    assert int(flat[region + 8512]) == 0xB9
+    assert int(flat[region + 8197]) == 0xB9  # V code byte 0 of slot 5, channel-major: 8192 + 0 * 128 + 5
     _, v_hat = ref.dequantize_sequence(cache, block_table_row, 262, SAW_SCHEMES[0])
     assert abs(float(v_hat[261, 1, 0]) - 0.5125) < 1e-4 and abs(float(v_hat[261, 1, 64]) - 1.1702) < 1e-4
     assert abs(float((v_hat[261, 1] - v).abs().max()) - 0.1634) < 1e-4
