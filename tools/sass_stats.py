@@ -37,7 +37,9 @@ from s4kv.kernels import attention  # noqa: E402
 from s4kv.kernels.layout import HEAD_DIM, KIVI_BLOCK_SIZE, cache_shape, tile_tokens  # noqa: E402
 from s4kv.kernels.scheme import Int4Scheme  # noqa: E402
 
-NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+NVDISASM, CUOBJDUMP = NVIDIA_BIN / "nvdisasm", NVIDIA_BIN / "cuobjdump"
+H100_REGS_PER_SM, H100_SHARED_PER_SM, MAX_WARPS_PER_SM = 65536, 228 * 1024, 64
 GROUP, NUM_KV_HEADS = 7, 4  # Qwen2.5-7B: 28 query heads over 4 KV heads
 
 # opcode classes that matter for the unpack-bound loop
@@ -55,7 +57,7 @@ CLASSES = {
 }
 
 
-def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.LaunchConfig) -> bytes:
+def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.LaunchConfig):
     """The cubin of the split-KV decode kernel exactly as paged_attention launches it (block 128, GQA 7)."""
     num_q_heads, num_seqs = GROUP * NUM_KV_HEADS, 2
     cache = torch.zeros(cache_shape(8, NUM_KV_HEADS, KIVI_BLOCK_SIZE), dtype=torch.uint8)
@@ -66,7 +68,23 @@ def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.Lau
             torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, scheme, torch.empty_like(q),
             workspace=attention.SplitWorkspace.allocate(num_q_heads, NUM_KV_HEADS, "cpu"), launch=launch)
     (kernel,) = [c for c in compiled if c.kernel == "_paged_attention_kernel"]
-    return kernel.cubin
+    return kernel
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers per thread and local (spill) bytes of the kernel, from cuobjdump -res-usage."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], check=True, capture_output=True, text=True).stdout
+    return {key: int(re.search(rf"\b{key}:(\d+)", text).group(1)) for key in ("REG", "LOCAL")}
+
+
+def warps_per_sm(regs: int, shared_bytes: int, num_warps: int) -> int:
+    """Resident warps per SM (Hopper limits), from registers, shared memory and the 64-warp cap: occupancy."""
+    ctas = min(H100_REGS_PER_SM // (regs * 32 * num_warps), H100_SHARED_PER_SM // max(shared_bytes, 1),
+               MAX_WARPS_PER_SM // num_warps)
+    return ctas * num_warps
 
 
 def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
@@ -147,21 +165,26 @@ def main(argv: list[str] | None = None) -> int:
     for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(","),
                                                     [t for t in args.launches.split(",") if t]):
         print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
-        loop = hottest_loop(*disassemble(compile_decode(scheme, q_dtype, launch)))
+        kernel = compile_decode(scheme, q_dtype, launch)
+        loop = hottest_loop(*disassemble(kernel.cubin))
+        usage = resources(kernel.cubin)
         opcodes = Counter(_opcode(text) for text in loop)
         tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
         label = f"{label} {tile}x{launch.num_warps}x{launch.num_stages}"
         histograms[label] = dict(opcodes.most_common())
         codes_per_thread = 2 * tile * 128 / (32 * launch.num_warps)  # K and V codes of one tile, per thread
-        rows.append((label, classify(opcodes), codes_per_thread))
+        occupancy = warps_per_sm(usage["REG"], kernel.shared_bytes, launch.num_warps)
+        rows.append((label, classify(opcodes), codes_per_thread, usage, occupancy))
 
     names = list(CLASSES) + ["other", "total"]
     # a thread's instructions per tile over its share of the tile's codes = issue slots per code, comparable
     # across tiles and warp counts
-    print("| variant (tile x warps x stages) | " + " | ".join(names) + " | instructions per code |")
-    print("|---|" + "---|" * len(names) + "---|")
-    for label, table, codes in rows:
-        print(f"| {label} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} |")
+    print("| variant (tile x warps x stages) | " + " | ".join(names) + " | instructions per code "
+          "| registers | spill bytes | warps per SM |")
+    print("|---|" + "---|" * len(names) + "---|---|---|---|")
+    for label, table, codes, usage, occupancy in rows:
+        print(f"| {label} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} "
+              f"| {usage['REG']} | {usage['LOCAL']} | {occupancy} |")
     if args.json:
         args.json.write_text(json.dumps(histograms, indent=1))
     return 0
