@@ -108,9 +108,13 @@ def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
     return instructions, labels
 
 
+def _mnemonic(instruction: str) -> str:
+    """The instruction's name with its modifiers (LDS.U8, HMMA.16816.F32.BF16), without a predicate guard."""
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", instruction).split()[0]
+
+
 def _opcode(instruction: str) -> str:
-    text = re.sub(r"^@!?U?P[T0-9]+\s+", "", instruction)  # predicate guard
-    return text.split()[0].split(".")[0]
+    return _mnemonic(instruction).split(".")[0]
 
 
 def hottest_loop(instructions: list[tuple[int, str]], labels: dict[str, int]) -> list[str]:
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bf16,fp16")
     parser.add_argument("--launches", default="",
                         help="comma-separated TILExWARPSxSTAGES to compare (default: each scheme's DECODE_LAUNCH)")
-    parser.add_argument("--json", type=Path, help="also write every variant's opcode histogram here")
+    parser.add_argument("--json", type=Path, help="also write every variant's loop histogram (mnemonics) here")
     args = parser.parse_args(argv)
 
     rows, histograms = [], {}
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         opcodes = Counter(_opcode(text) for text in loop)
         tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
         label = f"{label} {tile}x{launch.num_warps}x{launch.num_stages}"
-        histograms[label] = dict(opcodes.most_common())
+        histograms[label] = dict(Counter(_mnemonic(text) for text in loop).most_common())
         codes_per_thread = 2 * tile * 128 / (32 * launch.num_warps)  # K and V codes of one tile, per thread
         occupancy = warps_per_sm(usage["REG"], kernel.shared_bytes, launch.num_warps)
         rows.append((label, classify(opcodes), codes_per_thread, usage, occupancy))

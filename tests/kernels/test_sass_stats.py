@@ -1,0 +1,57 @@
+"""The decode loop's compiled shape for sm_90, checked on a machine with no GPU (tools/sass_stats.py).
+
+Not a speed test: these are the structural properties docs/performance.md ("Static instruction counts") builds its
+prediction on, guarded so that a later change cannot silently undo them. V's tensor-core fragments come from
+vector loads (channel-major V, no byte gathers); the PTX unpack needs far fewer integer instructions than the
+Triton-op unpack and changes nothing else in the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _logic(histogram: dict[str, int]) -> int:
+    return sum(n for name, n in histogram.items() if name.split(".")[0] in ("LOP3", "PRMT", "SHF"))
+
+
+@pytest.fixture(scope="module")
+def saw_loops(tmp_path_factory):
+    """Loop histograms of int4_saw's default decode launch with bf16 queries, for each code path."""
+    tmp = tmp_path_factory.mktemp("sass")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "sass_stats.py"), "--schemes", "int4_saw",
+                             "--dtypes", "bf16", "--json", str(tmp / "loops.json")],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "| int4_saw bf16 biased+ptx" in result.stdout  # the printed table
+    return {label.split()[2]: histogram for label, histogram in json.loads((tmp / "loops.json").read_text()).items()}
+
+
+def test_every_code_path_runs_the_same_tensor_core_work(saw_loops):
+    assert set(saw_loops) == {"biased", "subnormal", "biased+ptx", "subnormal+ptx"}
+    mma = {path: sum(n for name, n in h.items() if name.startswith("HMMA")) for path, h in saw_loops.items()}
+    # 64-token tile, 4 warps: per warp 16 tokens x 128 channels for Q K^T and 64 tokens x 32 channels for P @ V
+    assert set(mma.values()) == {32}, mma
+
+
+def test_no_byte_gathers_from_shared_memory(saw_loops):
+    for path, histogram in saw_loops.items():
+        byte_loads = {name: n for name, n in histogram.items() if name.startswith("LDS") and ".U8" in name}
+        assert not byte_loads, f"{path}: byte-wise shared-memory loads {byte_loads} (token-major V is back?)"
+
+
+def test_ptx_unpack_halves_the_integer_logic(saw_loops):
+    for codes in ("biased", "subnormal"):
+        triton_ops, ptx = _logic(saw_loops[codes]), _logic(saw_loops[f"{codes}+ptx"])
+        assert ptx < 0.6 * triton_ops, f"{codes}: {ptx} logic instructions with PTX vs {triton_ops} without"
+        assert sum(saw_loops[f"{codes}+ptx"].values()) < sum(saw_loops[codes].values())
