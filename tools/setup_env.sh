@@ -5,7 +5,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if [ ! -x .venv/bin/python ]; then
+  # A fresh .venv takes about 6.5 GB (PyPI's torch brings its CUDA libraries, about 2.7 GB of it); pip's own
+  # "No space left on device" comes minutes later and leaves a half-installed venv, so say it up front.
+  need_kb=$((7 * 1024 * 1024))
+  free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+  if [ "${free_kb:-0}" -lt "$need_kb" ]; then
+    echo "[setup] only $((free_kb / 1024 / 1024)) GB free under $(pwd); the environment needs about 7 GB" >&2
+    exit 1
+  fi
+  "$PY" -m venv .venv
+fi
 . .venv/bin/activate
 pip_q() { pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
 echo "[setup] python packages"
