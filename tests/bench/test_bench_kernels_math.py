@@ -100,3 +100,36 @@ def test_every_code_path_of_the_kernel_is_benchmarked_for_both_schemes(bk):
     ours = {m for m in bk.DECODE_METHODS if m.startswith("s4kv_")}
     assert ours == {f"s4kv_{s}{x}" for s in ("kivi", "saw") for x in bk.CODE_PATH_SUFFIX.values()}
     assert set(bk.METHODS) == set(bk.DECODE_METHODS) and bk.METHODS[0] == "fa3_bf16"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on the GPU tools/bench_kernels.py itself runs these")
+def test_s4kv_methods_compute_attention_on_the_cpu(bk):
+    """The benchmark's own s4kv builders (store through store_kv, read through paged_attention with each code
+    path) under the Triton interpreter on a tiny problem: their outputs are the attention over the pool's K/V.
+    The inline-PTX paths need the GPU: building them works, calling them is refused (the benchmark records it)."""
+    gen = torch.Generator().manual_seed(11)
+    batch, context = 2, 200
+    pool = torch.randn(2, batch * context, bk.NUM_KV_HEADS, bk.HEAD_DIM, generator=gen).half()
+    query = torch.randn(batch, bk.NUM_Q_HEADS, bk.HEAD_DIM, generator=gen).half()
+    problem = bk.DecodeProblem(batch, context, query, pool)
+    table = bk.shuffled_block_table(batch, -(-context // bk.S4KV_BLOCK_SIZE), gen)
+    # unquantized attention: sequence s holds pool rows (s % seqs_per_chunk) * context + t
+    group = bk.NUM_Q_HEADS // bk.NUM_KV_HEADS
+    expected = torch.empty(batch, bk.NUM_Q_HEADS, bk.HEAD_DIM, dtype=torch.float64)
+    for s in range(batch):
+        rows = (s % problem.seqs_per_chunk) * context + torch.arange(context)
+        k, v = (pool[i, rows].double().repeat_interleave(group, dim=1) for i in (0, 1))  # [ctx, Hq, D]
+        weights = torch.softmax(torch.einsum("hd,thd->ht", query[s].double(), k) * bk.HEAD_DIM ** -0.5, dim=-1)
+        expected[s] = torch.einsum("ht,thd->hd", weights, v)
+    for method, (block_size, build) in bk.DECODE_METHODS.items():
+        if not method.startswith("s4kv_"):
+            continue
+        out = torch.full_like(query, float("nan"))
+        call = build(problem, table, out)
+        if method.endswith("ptx"):
+            with pytest.raises(ValueError, match="inline PTX"):
+                call()
+            continue
+        call()
+        err = float((out.double() - expected).norm() / expected.norm())
+        assert err < 0.25, f"{method}: relative error {err:.3f} against unquantized attention"
