@@ -27,6 +27,8 @@ from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
 from .triton_common import load_channel_params, load_token_params, rotate_halves
 
 LOG2E = 1.4426950408889634
+# the 16-bit floats whose mantissa ulp is exactly 1, as bits: a code ORed in is the float bias + code
+BF16_CODE_BIAS, FP16_CODE_BIAS = (0x4300, 128.0), (0x6400, 1024.0)
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,8 @@ _PTX_SPREAD = """
     prmt.b32 hi23, shifted, 0, 0x4342;"""
 
 
-def _ptx_unpack_source(bias_bits: int | None, subtract: str = "") -> str:
-    """The asm of one code format: bias_bits None = fp16 subnormals (mask only), else OR the bias, subtract it."""
+def _ptx_unpack_source(bias_bits: int | None = None, subtract: str | None = None) -> str:
+    """The asm of one code format: no bias = fp16 subnormals (mask only), else OR the bias in, then subtract it."""
     if bias_bits is None:
         body = "".join(f"\n    and.b32 ${out}, {src}, 0x000F000F;"
                        for out, src in enumerate(("lo01", "lo23", "hi01", "hi23")))
@@ -118,9 +120,9 @@ def _ptx_unpack_source(bias_bits: int | None, subtract: str = "") -> str:
     return "{" + _PTX_SPREAD + body + "\n}"
 
 
-_PTX_SUBNORMAL = tl.constexpr(_ptx_unpack_source(None))
-_PTX_BIASED_BF16 = tl.constexpr(_ptx_unpack_source(0x4300, "sub.rn.bf16x2"))  # 128.0: ulp 1, as _code_format
-_PTX_BIASED_FP16 = tl.constexpr(_ptx_unpack_source(0x6400, "sub.rn.f16x2"))  # 1024.0
+_PTX_SUBNORMAL = tl.constexpr(_ptx_unpack_source())
+_PTX_BIASED_BF16 = tl.constexpr(_ptx_unpack_source(BF16_CODE_BIAS[0], "sub.rn.bf16x2"))
+_PTX_BIASED_FP16 = tl.constexpr(_ptx_unpack_source(FP16_CODE_BIAS[0], "sub.rn.f16x2"))
 
 
 @triton.jit
@@ -366,9 +368,9 @@ def _code_format(dtype: torch.dtype, subnormal: bool) -> dict:
     """How _codes_as_float builds MMA operands from codes. Biased: exponent bits of 128.0 (bf16) or 1024.0 (fp16),
     the 16-bit float whose mantissa ulp is exactly 1. Subnormal: fp16 code * 2^-24, scaled back by 2^24 in fp32."""
     if dtype == torch.bfloat16:
-        biased = dict(IS_BF16=True, CODE_BIAS_BITS=0x4300, CODE_BIAS=128.0)
+        biased = dict(IS_BF16=True, CODE_BIAS_BITS=BF16_CODE_BIAS[0], CODE_BIAS=BF16_CODE_BIAS[1])
     elif dtype == torch.float16:
-        biased = dict(IS_BF16=False, CODE_BIAS_BITS=0x6400, CODE_BIAS=1024.0)
+        biased = dict(IS_BF16=False, CODE_BIAS_BITS=FP16_CODE_BIAS[0], CODE_BIAS=FP16_CODE_BIAS[1])
     else:
         raise ValueError(f"query must be bf16 or fp16, got {dtype}")
     return dict(biased, SUBNORMAL=subnormal, CODE_SCALE=2.0**24 if subnormal else 1.0)

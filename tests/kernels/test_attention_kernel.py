@@ -113,8 +113,9 @@ def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, schem
 
 
 # inline PTX cannot run under the interpreter: those paths run with the GPU tests (tests/kernels/run_gpu.sh)
-OTHER_CODE_PATHS = [pytest.param(name, marks=[pytest.mark.gpu] if "ptx" in name else [])
-                    for name in CODE_PATHS if name != "biased"]
+GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX needs a CUDA GPU")]
+OTHER_CODE_PATHS = [pytest.param(name, marks=GPU_ONLY if "ptx" in name else []) for name in CODE_PATHS
+                    if name != "biased"]
 
 
 @pytest.mark.parametrize("code_path", OTHER_CODE_PATHS)
