@@ -14,11 +14,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(not Path(ROOT / "tools" / "hopper_compile.py").exists(), reason="needs the repository's tools/")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests compile every launch for real")
 def test_every_launch_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from an earlier run's cache
