@@ -1,0 +1,43 @@
+"""tools/plot_kernels.py on the committed H200 kernel results: the numbers it plots and the image it writes."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results" / "2026-11-30-h200-s2" / "call1_kernels.json"
+
+
+@pytest.fixture(scope="module")
+def pk():
+    spec = importlib.util.spec_from_file_location("plot_kernels", ROOT / "tools" / "plot_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["plot_kernels"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_series_are_fa3_time_over_each_methods_time(pk):
+    results = json.loads(RESULTS.read_text())
+    labels, speed, gbps = pk.decode_series(results)
+    assert labels[0] == "1 x 1k" and labels[-1] == "256 x 32k" and len(labels) == 12
+    assert speed["fa3_bf16"] == [1.0] * 12
+    ms = {(r["method"], r["batch"], r["context"]): r["ms"] for r in results["decode"]}
+    assert speed["s4kv_saw"][-1] == pytest.approx(ms[("fa3_bf16", 256, 32768)] / ms[("s4kv_saw", 256, 32768)])
+    assert 0.8 < speed["s4kv_saw"][-1] < 0.9  # the table in docs/performance.md: 0.84x
+    assert gbps["fa3_bf16"][-1] == pytest.approx(4489, rel=1e-3)
+
+
+def test_a_failed_method_leaves_a_gap_not_a_bar(pk, tmp_path):
+    results = json.loads(RESULTS.read_text())
+    broken = next(r for r in results["decode"] if r["method"] == "s4kv_kivi" and r["batch"] == 32)
+    broken.update(ms=None, gbps=None, error="RuntimeError: boom")
+    _, speed, _ = pk.decode_series(results)
+    assert speed["s4kv_kivi"].count(None) == 1
+    source = tmp_path / "kernels.json"
+    source.write_text(json.dumps(results))
+    assert pk.main([str(source), "--out", str(tmp_path / "kernels.png")]) == 0
+    assert (tmp_path / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
