@@ -1,22 +1,13 @@
 """CPU checks of tools/bench_kernels.py: the bytes it counts, its shuffled page tables and slot ids, its tables."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-PATH = Path(__file__).resolve().parents[2] / "tools" / "bench_kernels.py"
+from repo_tools import load_tool
 
 
 @pytest.fixture(scope="module")
 def bk():
-    spec = importlib.util.spec_from_file_location("bench_kernels", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kernels"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_kernels")
 
 
 def test_decode_bytes_count_kv_plus_q_and_out(bk):

@@ -1,11 +1,10 @@
 """tools/plot_kernels.py on the committed H200 kernel results: the numbers it plots and the image it writes."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from repo_tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "2026-11-30-h200-s2" / "call1_kernels.json"
@@ -13,11 +12,7 @@ RESULTS = ROOT / "docs" / "results" / "2026-11-30-h200-s2" / "call1_kernels.json
 
 @pytest.fixture(scope="module")
 def pk():
-    spec = importlib.util.spec_from_file_location("plot_kernels", ROOT / "tools" / "plot_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["plot_kernels"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("plot_kernels")
 
 
 def test_series_are_fa3_time_over_each_methods_time(pk):

@@ -3,25 +3,18 @@ logic a GPU call relies on, checked before device time is spent on it. The timin
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from repo_tools import load_tool
 
-PATH = Path(__file__).resolve().parents[2] / "tools" / "tune_attention.py"
 needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real sweep")
 
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("tune_attention", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tune_attention"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("tune_attention")
 
 
 def tiny_sweep(tune):

@@ -6,7 +6,8 @@ import lzma
 from pathlib import Path
 
 import pytest
-from quality_helpers import heldout_texts, load_tool, save_tiny
+from quality_helpers import heldout_texts, save_tiny
+from repo_tools import load_tool
 
 
 @pytest.fixture(scope="session")

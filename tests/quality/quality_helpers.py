@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,17 +11,6 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 HELDOUT = REPO / "data" / "eval" / "heldout.jsonl"
 REFERENCE_MODELS = ["s4kv-ref-qwen2", "s4kv-ref-llama3"]
-
-
-def load_tool(name: str):
-    """Import tools/<name>.py (the tools folder is not a package)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def heldout_texts() -> list[str]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from quality_helpers import HELDOUT, REPO, load_tool
+from quality_helpers import HELDOUT, REPO
+from repo_tools import load_tool
 
 bc = load_tool("build_corpus")
 

@@ -12,7 +12,8 @@ import tarfile
 import pytest
 import torch
 
-from quality_helpers import heldout_texts, load_tool
+from quality_helpers import heldout_texts
+from repo_tools import load_tool
 
 
 @pytest.fixture(scope="module")
