@@ -84,17 +84,11 @@ def compile_only():
         driver._active = previous
 
 
-def _pages(num_blocks: int, num_kv_heads: int, block_size: int) -> torch.Tensor:
-    from s4kv.kernels.layout import cache_shape
-
-    return torch.zeros(cache_shape(num_blocks, num_kv_heads, block_size), dtype=torch.uint8)
-
-
 def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_heads: int = 4) -> None:
     """Every launch the backend makes, once per scheme, query dtype and code path (compile_only records them)."""
     from s4kv.kernels import attention
     from s4kv.kernels.dense import gather_dense_kv
-    from s4kv.kernels.layout import HEAD_DIM, KIVI_BLOCK_SIZE
+    from s4kv.kernels.layout import HEAD_DIM, KIVI_BLOCK_SIZE, cache_shape
     from s4kv.kernels.scheme import Int4Scheme
     from s4kv.kernels.store import store_kv
 
@@ -104,7 +98,7 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
     seq_lens = torch.tensor([300, 17], dtype=torch.int32)
     for scheme in (Int4Scheme("int4_kivi"), Int4Scheme("int4_saw"), Int4Scheme("int4_saw", 32, True)):
         for dtype in dtypes:
-            cache = _pages(num_blocks, num_kv_heads, block_size)
+            cache = torch.zeros(cache_shape(num_blocks, num_kv_heads, block_size), dtype=torch.uint8)
             kv = torch.zeros(5, num_kv_heads, HEAD_DIM, dtype=dtype)
             store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme)
             for code_path in attention.CODE_PATHS.values():

@@ -7,8 +7,8 @@ Triton compiles for sm_90 on any machine (ptxas and nvdisasm ship in the triton 
 aligned cache/query pointers and strides, metadata pointers unspecialized), disassembles it and prints, per
 variant, the instructions of its hottest loop by class, per KV tile and per code.
 
-    python tools/sass_stats.py                      # both schemes, bf16 queries, both code formats
-    python tools/sass_stats.py --json out.json      # also the full opcode histograms
+    python tools/sass_stats.py                      # both schemes, bf16 and fp16 queries, every code path
+    python tools/sass_stats.py --json out.json      # also each loop's histogram of instructions (mnemonics)
 
 Counts are static (one pass through the loop body; in int4_kivi the body holds both key paths: the closed-block
 per-channel path that runs for all but the last page, and the per-token path of the open page). They predict, they
@@ -39,7 +39,7 @@ from s4kv.kernels.scheme import Int4Scheme  # noqa: E402
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 NVDISASM, CUOBJDUMP = NVIDIA_BIN / "nvdisasm", NVIDIA_BIN / "cuobjdump"
-H100_REGS_PER_SM, H100_SHARED_PER_SM, MAX_WARPS_PER_SM = 65536, 228 * 1024, 64
+HOPPER_REGS_PER_SM, HOPPER_SHARED_PER_SM, HOPPER_MAX_WARPS_PER_SM = 65536, 228 * 1024, 64
 GROUP, NUM_KV_HEADS = 7, 4  # Qwen2.5-7B: 28 query heads over 4 KV heads
 
 # opcode classes that matter for the unpack-bound loop
@@ -58,7 +58,8 @@ CLASSES = {
 
 
 def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.LaunchConfig):
-    """The cubin of the split-KV decode kernel exactly as paged_attention launches it (block 128, GQA 7)."""
+    """The split-KV decode kernel (hopper_compile.Compiled) exactly as paged_attention launches it (block 128,
+    GQA 7)."""
     num_q_heads, num_seqs = GROUP * NUM_KV_HEADS, 2
     cache = torch.zeros(cache_shape(8, NUM_KV_HEADS, KIVI_BLOCK_SIZE), dtype=torch.uint8)
     q = torch.zeros(num_seqs, num_q_heads, HEAD_DIM, dtype=dtype)
@@ -71,28 +72,30 @@ def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.Lau
     return kernel
 
 
-def resources(cubin: bytes) -> dict[str, int]:
-    """Registers per thread and local (spill) bytes of the kernel, from cuobjdump -res-usage."""
+def _inspect(tool: Path, flag: str, cubin: bytes) -> str:
+    """What one of the wheel's CUDA binary tools prints for ``cubin``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], check=True, capture_output=True, text=True).stdout
+        return subprocess.run([str(tool), flag, f.name], check=True, capture_output=True, text=True).stdout
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers per thread and local (spill) bytes of the kernel, from cuobjdump -res-usage."""
+    text = _inspect(CUOBJDUMP, "-res-usage", cubin)
     return {key: int(re.search(rf"\b{key}:(\d+)", text).group(1)) for key in ("REG", "LOCAL")}
 
 
 def warps_per_sm(regs: int, shared_bytes: int, num_warps: int) -> int:
     """Resident warps per SM (Hopper limits), from registers, shared memory and the 64-warp cap: occupancy."""
-    ctas = min(H100_REGS_PER_SM // (regs * 32 * num_warps), H100_SHARED_PER_SM // max(shared_bytes, 1),
-               MAX_WARPS_PER_SM // num_warps)
+    ctas = min(HOPPER_REGS_PER_SM // (regs * 32 * num_warps), HOPPER_SHARED_PER_SM // max(shared_bytes, 1),
+               HOPPER_MAX_WARPS_PER_SM // num_warps)
     return ctas * num_warps
 
 
 def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
     """(address, instruction text) of every SASS instruction, and the address of every branch label."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([str(NVDISASM), "-c", f.name], check=True, capture_output=True, text=True).stdout
+    text = _inspect(NVDISASM, "-c", cubin)
     instructions, labels, pending = [], {}, []
     for line in text.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
