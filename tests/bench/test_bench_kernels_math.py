@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from attention_oracle import causal_attention
 from repo_tools import load_tool
 
 
@@ -105,13 +106,11 @@ def test_s4kv_methods_compute_attention_on_the_cpu(bk):
     problem = bk.DecodeProblem(batch, context, query, pool)
     table = bk.shuffled_block_table(batch, -(-context // bk.S4KV_BLOCK_SIZE), gen)
     # unquantized attention: sequence s holds pool rows (s % seqs_per_chunk) * context + t
-    group = bk.NUM_Q_HEADS // bk.NUM_KV_HEADS
-    expected = torch.empty(batch, bk.NUM_Q_HEADS, bk.HEAD_DIM, dtype=torch.float64)
+    expected = []
     for s in range(batch):
         rows = (s % problem.seqs_per_chunk) * context + torch.arange(context)
-        k, v = (pool[i, rows].double().repeat_interleave(group, dim=1) for i in (0, 1))  # [ctx, Hq, D]
-        weights = torch.softmax(torch.einsum("hd,thd->ht", query[s].double(), k) * bk.HEAD_DIM ** -0.5, dim=-1)
-        expected[s] = torch.einsum("ht,thd->hd", weights, v)
+        expected.append(causal_attention(query[s : s + 1], pool[0, rows], pool[1, rows], bk.HEAD_DIM ** -0.5))
+    expected = torch.cat(expected)
     for method, (block_size, build) in bk.DECODE_METHODS.items():
         if not method.startswith("s4kv_"):
             continue

@@ -1,11 +1,13 @@
 """Builders and checks shared by the kernel tests: paged batches as vLLM schedules them, poisoned caches,
-the byte regions a store may write, cache comparison and a plain float64 attention oracle."""
+the byte regions a store may write, cache comparison and attention over the unquantized K/V (with the float64
+oracle of tests/attention_oracle.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from attention_oracle import causal_attention
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.layout import HEAD_DIM, PageLayout, cache_shape
@@ -230,18 +232,6 @@ def dense_reference(batch: PagedBatch, cache: torch.Tensor, scheme: Int4Scheme, 
         ks.append(torch.cat([k_hat[:prefix], batch.key[fresh].float()]))
         vs.append(torch.cat([v_hat[:prefix], batch.value[fresh].float()]))
     return ks, vs
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """Plain float64 attention: q [q_len, Hq, 128] are the last q_len positions of k, v [seq_len, Hkv, 128]."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    seq_len, q_len = k.shape[0], q.shape[0]
-    scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
-    allowed = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def unquantized_attention(batch: PagedBatch, softmax_scale: float) -> torch.Tensor:

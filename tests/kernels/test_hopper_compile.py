@@ -7,24 +7,16 @@ TRITON_INTERPRET, so a kernel that would fail to compile on the H200 fails here 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from repo_tools import run_compile_only_tool
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests compile every launch for real")
 def test_every_launch_compiles_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from an earlier run's cache
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "hopper_compile.py")], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=900)
+    result = run_compile_only_tool("hopper_compile", cache_dir=tmp_path / "triton-cache")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     launches = Counter(line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("_"))
     # per scheme (kivi, saw, saw with 32-blocks and rotated values) x query dtype (bf16, fp16): attention 4 code

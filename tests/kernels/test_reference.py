@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
+from attention_oracle import causal_attention
 from kv_batches import (
     cache_with_prefix,
     entry_bytes,
-    causal_attention,
     make_paged_batch,
     poisoned_cache,
     random_keys,

@@ -9,15 +9,10 @@ Triton-op unpack and changes nothing else in the loop.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from repo_tools import run_compile_only_tool
 
 
 def _logic(histogram: dict[str, int]) -> int:
@@ -31,11 +26,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-side ch
 def saw_loops(tmp_path_factory):
     """Loop histograms of int4_saw's default decode launch with bf16 queries, for each code path."""
     tmp = tmp_path_factory.mktemp("sass")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "sass_stats.py"), "--schemes", "int4_saw",
-                             "--dtypes", "bf16", "--json", str(tmp / "loops.json")],
-                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = run_compile_only_tool("sass_stats", "--schemes", "int4_saw", "--dtypes", "bf16",
+                                   "--json", str(tmp / "loops.json"), cache_dir=tmp / "triton-cache")
     assert result.returncode == 0, result.stderr[-6000:]
     assert "| int4_saw bf16 biased+ptx" in result.stdout  # the printed table
     return {label.split()[2]: histogram for label, histogram in json.loads((tmp / "loops.json").read_text()).items()}
