@@ -1,21 +1,26 @@
 """Sweep the attention kernel's launch configurations on the GPU and print the fastest per shape and scheme.
 
     python tools/tune_attention.py      # H200: about five minutes; writes $OUT/tune_attention.json (or ./)
+    python tools/tune_attention.py --apply tune_attention.json   # its decode winners become DECODE_LAUNCH
 
 Every tile x warps x stages config runs with every code path of attention.CODE_PATHS, per scheme, on random
 pages in shuffled order. Each config's output is checked against the first (default) config's, so that a fast
 wrong kernel cannot win; results are saved after every shape, so a call cut short keeps what it measured. The
-winners (lowest geometric-mean time over a scheme's shapes) become DECODE_LAUNCH / PREFILL_LAUNCH in
-kernels/attention.py; the tuning log in docs/performance.md keeps what was measured.
+winners (lowest geometric-mean time over a scheme's shapes) are printed; `--apply` writes the decode winners
+into DECODE_LAUNCH in kernels/attention.py (PREFILL_LAUNCH, one for both schemes, is set by hand). The tuning
+log in docs/performance.md keeps what was measured.
 """
 
 from __future__ import annotations
 
 import itertools
+import argparse
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -141,7 +146,41 @@ def save(results: list[dict], out_dir: str) -> None:
         json.dump(results, f, indent=1)
 
 
+ATTENTION_SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "attention.py"
+DECODE_LAUNCH_BLOCK = re.compile(r"^DECODE_LAUNCH = \{.*?\}\n", re.MULTILINE | re.DOTALL)
+
+
+def decode_launch_source(best: dict) -> str:
+    """The DECODE_LAUNCH assignment for each scheme's decode winner (every scheme needs one)."""
+    missing = [s for s in SCHEMES if (s, "decode") not in best]
+    if missing:
+        raise ValueError(f"no decode winner for {', '.join(missing)}: the sweep did not finish those shapes")
+    entries = []
+    for scheme_name in SCHEMES:
+        codes, tile, warps, stages = best[(scheme_name, "decode")]
+        fields = [f"tile={tile}", f"num_warps={warps}", f"num_stages={stages}"]
+        fields += [f"{name}={value}" for name, value in CODE_PATHS[codes].items()]
+        entries.append(f'"{scheme_name}": LaunchConfig({", ".join(fields)})')
+    return "DECODE_LAUNCH = {" + (",\n" + " " * len("DECODE_LAUNCH = {")).join(entries) + "}\n"
+
+
+def apply_decode_launch(source: str, best: dict) -> str:
+    """kernels/attention.py's text with its DECODE_LAUNCH block replaced by the winners'."""
+    if len(DECODE_LAUNCH_BLOCK.findall(source)) != 1:
+        raise ValueError("expected exactly one `DECODE_LAUNCH = {...}` block in kernels/attention.py")
+    return DECODE_LAUNCH_BLOCK.sub(lambda _: decode_launch_source(best), source)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--apply", metavar="TUNE_JSON",
+                        help="write the decode winners of a saved sweep into DECODE_LAUNCH (no GPU needed)")
+    args = parser.parse_args()
+    if args.apply:
+        best = best_configs(json.loads(Path(args.apply).read_text()))
+        ATTENTION_SOURCE.write_text(apply_decode_launch(ATTENTION_SOURCE.read_text(), best))
+        print(f"DECODE_LAUNCH in {ATTENTION_SOURCE} is now:\n{decode_launch_source(best)}", end="")
+        return
     out_dir = os.environ.get("OUT", ".")
     results = run_sweep(H200_SWEEP, "cuda", out_dir=out_dir)
     best_configs(results)

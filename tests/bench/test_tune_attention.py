@@ -68,3 +68,25 @@ def test_a_wrong_fast_config_cannot_win(tune, monkeypatch, capsys):
     assert "WRONG subnormal" in capsys.readouterr().out
     assert {r["codes"] for r in results} == {"biased"}
     assert {codes for codes, *_ in tune.best_configs(results).values()} == {"biased"}
+
+
+def test_apply_writes_the_decode_winners_into_attention_source(tune):
+    source = tune.ATTENTION_SOURCE.read_text()
+    current = {("int4_kivi", "decode"): ("biased", 128, 4, 3), ("int4_saw", "decode"): ("biased", 64, 4, 3)}
+    assert tune.apply_decode_launch(source, current) == source  # today's defaults render as the file has them
+
+    rows = [dict(scheme=s, kind="decode", batch=b, ctx=4096, codes=codes, tile=tile, warps=2, stages=3, us=us)
+            for s in tune.SCHEMES for b in (1, 32)
+            for codes, tile, us in (("biased", 64, 10.0), ("subnormal+ptx", 128, 7.0 if s == "int4_saw" else 12.0))]
+    best = tune.best_configs(rows)
+    applied = tune.apply_decode_launch(source, best)
+    namespace = {"LaunchConfig": tune.LaunchConfig}
+    exec(tune.DECODE_LAUNCH_BLOCK.search(applied).group(0), namespace)
+    assert namespace["DECODE_LAUNCH"] == {
+        "int4_kivi": tune.LaunchConfig(64, 2, 3),
+        "int4_saw": tune.LaunchConfig(128, 2, 3, subnormal_codes=True, ptx_unpack=True)}
+    assert applied.replace(tune.DECODE_LAUNCH_BLOCK.search(applied).group(0), "") == \
+        source.replace(tune.DECODE_LAUNCH_BLOCK.search(source).group(0), "")  # nothing else changes
+
+    with pytest.raises(ValueError, match="no decode winner for int4_saw"):
+        tune.apply_decode_launch(source, {k: v for k, v in best.items() if k[0] != "int4_saw"})
