@@ -190,5 +190,6 @@ def target_check(rows: list[Row], fmt: str) -> list[str]:
         else:
             ok, target = cell.ratio >= THROUGHPUT_TARGET, f">= {THROUGHPUT_TARGET}x"
         name = "capacity " + row.key[3:] if row.key.startswith("kv:") else row.key
-        verdicts.append(f"{name} {cell.ratio:.2f}x (target {target}): {'ok' if ok else 'MISSED'}")
+        # three decimals: 0.999x must not print as a missed 1.00x
+        verdicts.append(f"{name} {cell.ratio:.3f}x (target {target}): {'ok' if ok else 'MISSED'}")
     return verdicts

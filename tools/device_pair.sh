@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 : "${OUT:?OUT must be set (the device call sets it)}"
 [ $# -eq 2 ] || { echo "usage: device_pair.sh 'JOB FOR GPU 0' 'JOB FOR GPU 1'"; exit 2; }
 export PYTHONUNBUFFERED=1
+pack() { [ -d "$OUT/gpu0" ] && tar -czf "$OUT/pair.tar.gz" -C "$OUT" gpu0 gpu1 && rm -rf "$OUT/gpu0" "$OUT/gpu1"; }
+trap 'kill "${pids[@]}" 2>/dev/null; pack; exit 124' TERM  # a call cut at its limit still returns one archive, not more files than come back
 pids=()
 for gpu in 0 1; do
   job=${*:gpu+1:1}
@@ -29,5 +31,5 @@ for gpu in 0 1; do
   echo "[gpu$gpu] exit status $rc after ${SECONDS} s" | tee -a "$OUT/pair.log"
   [ "$status" -ne 0 ] || status=$rc
 done
-tar -czf "$OUT/pair.tar.gz" -C "$OUT" gpu0 gpu1 && rm -rf "$OUT/gpu0" "$OUT/gpu1"
+pack
 exit "$status"

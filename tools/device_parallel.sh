@@ -133,7 +133,8 @@ if [ ${#results[@]} -gt 0 ]; then
   "$PY" -m s4kv.runtime.cli bench --merge "${results[@]}" --out "$work/all" 2>&1 | tee -a "$log" || status=1
   for f in results.json table.md plot.svg; do [ -f "$work/all/$f" ] && cp "$work/all/$f" "$OUT/"; done
 fi
-logs=("$work"/step*/logs "$work"/serve/logs)
-[ ${#logs[@]} -gt 0 ] && tar -czf "$OUT/logs.tar.gz" -C "$work" "${logs[@]#"$work"/}"
+logs=()  # the steps that ran (a run without `serve` has no serve/logs)
+for dir in "$work"/step*/logs "$work"/serve/logs; do [ -d "$dir" ] && logs+=("${dir#"$work"/}"); done
+[ ${#logs[@]} -eq 0 ] || tar -czf "$OUT/logs.tar.gz" -C "$work" "${logs[@]}"
 say "[parallel] done in ${SECONDS} s, exit $status"
 exit $status

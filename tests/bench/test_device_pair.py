@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,3 +40,16 @@ def test_usage_needs_two_jobs(tmp_path):
     one = subprocess.run(["bash", str(REPO / "tools/device_pair.sh"), "true"], env={"OUT": str(tmp_path)},
                          capture_output=True, text=True, timeout=60)
     assert one.returncode == 2 and "usage" in one.stdout
+
+
+def test_a_call_cut_at_its_limit_still_returns_one_archive(tmp_path):
+    pair = subprocess.Popen(["bash", str(REPO / "tools/device_pair.sh"), "echo early > $OUT/early.txt; sleep 30",
+                             "sleep 30"], env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "gpu0" / "early.txt").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pair.terminate()  # what `timeout` sends
+    assert pair.wait(timeout=20) == 124
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pair.tar.gz"]
+    with tarfile.open(tmp_path / "pair.tar.gz") as archive:
+        assert archive.extractfile("gpu0/early.txt").read() == b"early\n"

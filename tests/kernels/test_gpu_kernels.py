@@ -43,9 +43,10 @@ SCHEMES = {
     "saw32": Int4Scheme("int4_saw", 32),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# int4 over ~N(0, 1) data costs ~10% rms per vector and the output inherits it (0.15-0.18 measured on CPU);
+# int4 over ~N(0, 1) data costs ~10% rms per vector and the output inherits it: 0.17-0.26 over the H200 cases
+# (group-32 SAW decodes highest; it varies with the seed, which is per test), 0.15-0.18 on CPU;
 # a misread page gives ~100%
-MAX_QUANT_ERR = 0.25
+MAX_QUANT_ERR = 0.35
 # kernel vs the float32 reference: the P @ V product runs in the query dtype (bf16 has 8 mantissa bits)
 MAX_KERNEL_ERR = {"bf16": 2e-2, "fp16": 1e-2}
 
