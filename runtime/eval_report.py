@@ -49,6 +49,8 @@ def markdown_table(result: dict) -> str:
         lines.append("")
     for name, error in result.get("errors", {}).items():
         lines.append(f"{label(name, result['engine'])}: failed ({error.strip().splitlines()[-1]})")
+    if result.get("pending"):  # a run cut short: evaluate() saves after every format
+        lines.append(f"not measured: {', '.join(result['pending'])} (the run stopped before them)")
     return "\n".join(lines)
 
 

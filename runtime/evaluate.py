@@ -128,7 +128,9 @@ def compare(reference: Records, records: Records) -> dict[str, dict]:
     return out
 
 
-def evaluate(args) -> dict:
+def evaluate(args, save=lambda result: None) -> dict:
+    """Every format against bf16; ``save(result)`` runs after each format, with ``result["pending"]`` naming the
+    formats still to measure, so that a run cut short (a device call's limit) keeps what it measured."""
     from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer
 
@@ -154,6 +156,7 @@ def evaluate(args) -> dict:
         "model": args.model, "model_name": Path(args.model.rstrip("/")).name, "engine": args.engine,
         "command": "s4kv " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "top_k": args.top_k, "heldout": args.heldout, "regimes": describe(inputs), "formats": {}, "seconds": {},
+        "pending": list(formats),
     }
     reference: Records | None = None
     for fmt in tqdm(formats, desc=f"s4kv eval {result['model_name']}", unit="format"):
@@ -166,22 +169,25 @@ def evaluate(args) -> dict:
             # one format failing to start must not cost the others' numbers (a GPU call is scarce)
             result.setdefault("errors", {})[fmt] = str(error)
             print(f"s4kv eval: {fmt} failed, continuing: {str(error).strip().splitlines()[-1]}", file=sys.stderr)
-            continue
-        reference = reference or records
-        result["formats"][fmt] = compare(reference, records)
-        result["seconds"][fmt] = round(time.perf_counter() - started, 1)
+        else:
+            reference = reference or records
+            result["formats"][fmt] = compare(reference, records)
+            result["seconds"][fmt] = round(time.perf_counter() - started, 1)
+        result["pending"].remove(fmt)
+        save(result)
+    del result["pending"]
     return result
 
 
 def run(args) -> int:
     from .eval_report import markdown_table, plot
 
-    result = evaluate(args)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # not Path.with_suffix: model names such as Qwen2.5-7B-Instruct contain dots
-    json_path = out_dir / f"{result['model_name']}-{args.engine}.json"
-    png_path = out_dir / f"{result['model_name']}-{args.engine}.png"
+    stem = out_dir / f"{Path(args.model.rstrip('/')).name}-{args.engine}"
+    json_path, png_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".png")
+    result = evaluate(args, save=lambda partial: json_path.write_text(json.dumps(partial, indent=1)))
     json_path.write_text(json.dumps(result, indent=1))
     plot(result, png_path)
     print(markdown_table(result))

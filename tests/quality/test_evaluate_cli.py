@@ -54,3 +54,20 @@ def test_a_failing_format_is_reported_and_the_others_still_measured(tiny_model, 
     assert list(result["formats"]) == ["bf16_fa3", "s4kv_saw"]
     assert "no fp8 here" in result["errors"]["fp8_fa3"]
     assert "fp8 e4m3 KV: failed (ValueError: no fp8 here)" in capsys.readouterr().out
+
+
+def test_a_run_cut_short_keeps_the_formats_it_measured(tiny_model, tmp_path, monkeypatch):
+    from s4kv.runtime import eval_report, eval_torch
+
+    def cut_here():  # what a device call's time limit does to the run
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(eval_torch.TORCH_FORMATS, "fp8_fa3", cut_here)
+    with pytest.raises(KeyboardInterrupt):
+        main(["eval", str(tiny_model), "--engine", "torch", "--formats", "s4kv_saw,fp8_fa3,s4kv_kivi",
+              "--out-dir", str(tmp_path), *SMALL])
+    partial = json.loads((tmp_path / f"{tiny_model.name}-torch.json").read_text())
+    assert list(partial["formats"]) == ["bf16_fa3", "s4kv_saw"]
+    assert partial["pending"] == ["fp8_fa3", "s4kv_kivi"]
+    table = eval_report.markdown_table(partial)
+    assert "| s4kv int4_saw (torch ref) |" in table and "not measured: fp8_fa3, s4kv_kivi" in table
