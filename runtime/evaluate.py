@@ -50,9 +50,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (starts faster)")
     parser.add_argument("--prefill-chunk", type=int, default=64, metavar="TOKENS",
                         help="prefill at most TOKENS tokens per engine step (chunked prefill), so that teacher-forced "
-                             "positions read their earlier context back from the KV cache as decode does (default "
-                             "64); 0: vLLM's default chunking, as served, where a window is one chunk and S4 KV "
-                             "attends to its fresh tokens in bf16, so its teacher-forced numbers equal bf16's")
+                             "positions read their earlier chunks back from the KV cache (default 64; S4 KV still "
+                             "attends to its own chunk's tokens in bf16: `--engine torch` reads every context token "
+                             "from the format); 0: vLLM's default chunking, as served, where a window is one chunk "
+                             "and S4 KV's teacher-forced numbers equal bf16's")
     # torch engine
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=8)
