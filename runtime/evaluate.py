@@ -186,8 +186,8 @@ def run(args) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # not Path.with_suffix: model names such as Qwen2.5-7B-Instruct contain dots
-    stem = out_dir / f"{Path(args.model.rstrip('/')).name}-{args.engine}"
-    json_path, png_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".png")
+    name = f"{Path(args.model.rstrip('/')).name}-{args.engine}"
+    json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
     result = evaluate(args, save=lambda partial: json_path.write_text(json.dumps(partial, indent=1)))
     json_path.write_text(json.dumps(result, indent=1))
     plot(result, png_path)
