@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Issue 6 on the lent 2-GPU machine (kind nvidia-h200-x2), vLLM 0.26.0 from the offline bundle, in one device call:
-#   tp  Llama-3.1-70B-Instruct shape (configs/llama-3.1-70b-instruct.json, dummy weights, 70.5 GB per GPU),
-#       tensor parallel 2, workload short128 (128 x 1024 in / 128 out), one engine over both GPUs
-#   dp  Qwen2.5-7B-Instruct shape, data parallel 2: one engine per GPU, each with half of workload short
-#       (256 x 1024 in / 256 out), throughput summed (what `vllm serve --data-parallel-size 2` runs for a dense model)
+# Issue 6 on a machine of N >= 2 GPUs (kind nvidia-h200-x2 today; -x4 / -x8 when lent), vLLM 0.26.0 from the offline
+# bundle, in one device call. N is every GPU the machine has (nvidia-smi -L; DRY_RUN uses GPUS, default 2):
+#   tp  Llama-3.1-70B-Instruct shape (configs/llama-3.1-70b-instruct.json, dummy weights, 141 GB split over N GPUs),
+#       tensor parallel N, workload short128 (128 x 1024 in / 128 out), one engine over all GPUs
+#   dp  Qwen2.5-7B-Instruct shape, data parallel N: one engine per GPU, each with 1/N of workload short
+#       (256 x 1024 in / 256 out), throughput summed (what `vllm serve --data-parallel-size N` runs for a dense model)
 # each for s4kv int4_kivi, bf16 + FA3 and s4kv int4_saw, in that order, through `s4kv bench` (docs/parallel.md).
 #   serve  the OpenAI server under both layouts, side by side, each checked with the official openai client
-#       (tools/device_plugin_e2e.py's server checks): `s4kv serve --tensor-parallel-size 2` (int4_kivi, tiny Qwen2)
-#       and raw `vllm serve --data-parallel-size 2 --attention-backend CUSTOM` (int4_saw, tiny Llama-3); ~3 minutes.
+#       (tools/device_plugin_e2e.py's server checks): `s4kv serve --tensor-parallel-size N` (int4_kivi, tiny Qwen2)
+#       and raw `vllm serve --data-parallel-size N --attention-backend CUSTOM` (int4_saw, tiny Llama-3); ~3 minutes.
 #
 # Once, here (the bundle, about 52 MB, git-ignored; the same as for tools/device_bench.sh):
 #   echo /.vlb/ >> .git/info/exclude
@@ -27,8 +28,6 @@ cd "$(dirname "$0")/.."
 limit=${LIMIT_S:-570}
 PY=${PYTHON:-python3}
 DEFAULT_CONFIGS=s4kv_kivi,bf16_fa3,s4kv_saw
-TP_ARGS=(--model configs/llama-3.1-70b-instruct.json --tensor-parallel-size 2 --workloads short128)
-DP_ARGS=(--model configs/qwen2.5-7b-instruct.json --data-parallel-size 2 --workloads short)
 RESERVE_S=15  # merge, tarball
 
 steps=("$@")
@@ -47,15 +46,20 @@ say() { echo "$*" | tee -a "$log"; }
 : >"$log"
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
+  gpus=${GPUS:-2}
   S4KV_NEEDS_VLLM=0 . tools/device_env.sh  # the s4kv import shim only: plans need no vLLM and no GPU
 else
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-  [ "${gpus:-0}" -ge 2 ] || { say "needs 2 GPUs, found ${gpus:-0}: run it on kind nvidia-h200-x2"; exit 2; }
+  [ "${gpus:-0}" -ge 2 ] || { say "needs 2 or more GPUs, found ${gpus:-0}: run it on kind nvidia-h200-x2"; exit 2; }
   . tools/device_env.sh  # vLLM from .vlb once per machine, the s4kv import shim (every worker loads the plugin)
   say "[parallel] vLLM ready after ${SECONDS} s"
   { nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
     nvidia-smi topo -m; } 2>&1 | tee -a "$log" || true
 fi
+
+TP_ARGS=(--model configs/llama-3.1-70b-instruct.json --tensor-parallel-size "$gpus" --workloads short128)
+DP_ARGS=(--model configs/qwen2.5-7b-instruct.json --data-parallel-size "$gpus" --workloads short)
+say "[parallel] $gpus GPUs: tensor parallel $gpus, data parallel $gpus"
 
 work=${WORK_DIR:-/tmp/s4kv-parallel}
 rm -rf "$work" && mkdir -p "$work"
@@ -63,8 +67,8 @@ status=0
 
 # The serve step: two servers side by side (tiny models, 0.08 of each GPU), each through the openai client checks
 # of tools/device_plugin_e2e.py (chat, completions, streaming, n=3, stop, max_tokens, HTTP 400, concurrency, /health).
-SERVERS=("tp2 int4_kivi models/tiny-qwen2 s4kv --tensor-parallel-size 2"
-         "dp2 int4_saw models/tiny-llama3 raw --data-parallel-size 2")
+SERVERS=("tp$gpus int4_kivi models/tiny-qwen2 s4kv --tensor-parallel-size $gpus"
+         "dp$gpus int4_saw models/tiny-llama3 raw --data-parallel-size $gpus")
 serve_step() {  # $1: seconds left
   local dir="$work/serve" name scheme model how flags pids=()
   mkdir -p "$dir/logs"

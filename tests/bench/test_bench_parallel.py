@@ -340,3 +340,16 @@ def test_device_script_dry_run_plans_both_layouts(tmp_path):
     bad = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh"), "pp"], env=env, capture_output=True,
                          text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "usage" in bad.stdout
+
+
+def test_device_script_uses_every_gpu_of_the_machine(tmp_path):
+    """On an 8-GPU machine (p4d/p5 shape) the same call plans the 70B at TP 8 and the 7B at DP 8."""
+    env = dict(os.environ, DRY_RUN="1", GPUS="8", OUT=str(tmp_path / "out"), PYTHON=sys.executable,
+               WORK_DIR=str(tmp_path / "work"))
+    (tmp_path / "out").mkdir()
+    done = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh"), "tp=s4kv_kivi", "dp=s4kv_saw", "serve"],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    plans = [line.split()[2:5] for line in done.stdout.splitlines() if line.startswith("[bench] plan:")]
+    assert plans == [["s4kv_kivi", "gmu0.90-seqs128-tp8", "short128"], ["s4kv_saw", "gmu0.90-seqs256-dp8", "short"]]
+    assert "--tensor-parallel-size 8" in done.stdout and "--data-parallel-size 8" in done.stdout  # the servers
