@@ -122,7 +122,8 @@ def teacher_forced(model, windows: list[list[int]], make_transform: Callable[[],
         target_lp.append(logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1).cpu().numpy())
         if keep_full:
             full.append(logprobs.cpu().numpy())
-    record = TeacherForced(np.concatenate(top_ids), np.concatenate(top_lp), np.concatenate(target_lp))
+    record = TeacherForced(np.concatenate(top_ids), np.concatenate(top_lp), np.concatenate(target_lp),
+                           np.array(windows)[:, 1:])
     return record, (np.concatenate(full) if keep_full else None)
 
 

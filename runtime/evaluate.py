@@ -117,7 +117,7 @@ def vllm_records(args, model: str, fmt: str, inputs: list[RegimeInputs], max_len
         raise RuntimeError(f"vLLM run of {fmt} failed (exit {done.returncode}); end of {log_path}:\n{tail}")
     data = np.load(spec["out"])
     return {i.regime.name: (TeacherForced(data[f"{i.regime.name}_top_ids"], data[f"{i.regime.name}_top_logprobs"],
-                                          data[f"{i.regime.name}_target_logprobs"]),
+                                          data[f"{i.regime.name}_target_logprobs"], np.array(i.windows)[:, 1:]),
                             Greedy(data[f"{i.regime.name}_greedy"])) for i in inputs}
 
 

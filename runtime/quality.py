@@ -8,10 +8,13 @@ An engine (vLLM or the torch path) gives, per KV format:
 
 Top-1 agreement, perplexity and greedy matches are exact. The KL divergence is computed from the top-K
 lists (vLLM returns no full distributions): ``KL(p_ref || p_fmt)`` over a partition of the vocabulary into
-one part per token in both top-K lists (both probabilities known) and one part for every other token (its
-mass is one minus the known ones, in both distributions). The KL divergence of a coarser partition can
-only be smaller (data-processing inequality), so this is a lower bound of the true mean KL, exact when the
-top-K lists hold nearly all the mass; tests/quality compare it with the exact value on the torch path.
+one part per token in both top-K lists, one for the token that actually follows (its log-probability is
+returned in both), each with both probabilities known, and one part for every other token (its mass is one
+minus the known ones, in both distributions). The KL divergence of a coarser partition can only be smaller
+(data-processing inequality), so this is a lower bound of the true mean KL, exact when the top-K lists hold
+nearly all the mass; tests/quality compare it with the exact value on the torch path. The target's own part
+keeps the bound from vanishing when a broken format moves all its mass away from the reference's top-K
+(disjoint lists would otherwise leave one part, equal in both).
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ class TeacherForced:
     top_ids: np.ndarray  # [S, N, K] int, best first
     top_logprobs: np.ndarray  # [S, N, K] float
     target_logprobs: np.ndarray  # [S, N] float: log p(actual next token)
+    target_ids: np.ndarray  # [S, N] int: the actual next token
 
     def __post_init__(self) -> None:
-        if self.top_ids.shape != self.top_logprobs.shape or self.top_ids.shape[:2] != self.target_logprobs.shape:
+        if (self.top_ids.shape != self.top_logprobs.shape or self.top_ids.shape[:2] != self.target_logprobs.shape
+                or self.target_ids.shape != self.target_logprobs.shape):
             raise ValueError(f"inconsistent shapes: top_ids {self.top_ids.shape}, top_logprobs "
-                             f"{self.top_logprobs.shape}, target_logprobs {self.target_logprobs.shape}")
+                             f"{self.top_logprobs.shape}, target_logprobs {self.target_logprobs.shape}, "
+                             f"target_ids {self.target_ids.shape}")
 
 
 @dataclass
@@ -65,8 +71,15 @@ def topk_kl(ref: TeacherForced, fmt: TeacherForced) -> np.ndarray:
     q = (match * np.exp(fmt.top_logprobs.astype(np.float64))[..., None, :]).sum(-1)
     p_known, q_known = np.where(found, p, 0.0), np.where(found, q, 0.0)
     head = (p_known * (np.log(np.maximum(p_known, FLOOR)) - np.log(np.maximum(q_known, FLOOR)))).sum(-1)
-    p_rest = np.clip(1.0 - p_known.sum(-1), 0.0, 1.0)
-    q_rest = np.clip(1.0 - q_known.sum(-1), 0.0, 1.0)
+    # the target's own part, unless it is already one of the shared tokens
+    if np.any(ref.target_ids != fmt.target_ids):
+        raise ValueError("topk_kl: the two records score different target tokens")
+    target_shared = ((ref.top_ids == ref.target_ids[..., None]) & found).any(-1)
+    p_target = np.where(target_shared, 0.0, np.exp(ref.target_logprobs.astype(np.float64)))
+    q_target = np.where(target_shared, 0.0, np.exp(fmt.target_logprobs.astype(np.float64)))
+    head += p_target * (np.log(np.maximum(p_target, FLOOR)) - np.log(np.maximum(q_target, FLOOR)))
+    p_rest = np.clip(1.0 - p_known.sum(-1) - p_target, 0.0, 1.0)
+    q_rest = np.clip(1.0 - q_known.sum(-1) - q_target, 0.0, 1.0)
     tail = p_rest * (np.log(np.maximum(p_rest, FLOOR)) - np.log(np.maximum(q_rest, FLOOR)))
     return np.maximum(head + tail, 0.0)
 

@@ -22,7 +22,7 @@ def record_from_logprobs(logprobs: np.ndarray, targets: np.ndarray, k: int) -> T
     """What an engine returns for full log-prob tensors [S, N, V]: top-k (best first) and target log-probs."""
     order = np.argsort(-logprobs, axis=-1)[..., :k]
     return TeacherForced(order, np.take_along_axis(logprobs, order, -1),
-                         np.take_along_axis(logprobs, targets[..., None], -1)[..., 0])
+                         np.take_along_axis(logprobs, targets[..., None], -1)[..., 0], targets)
 
 
 def random_logprobs(rng, shape, temperature=1.0) -> np.ndarray:
@@ -46,7 +46,8 @@ def test_a_record_against_itself_is_exact(rng):
 
 
 def test_perplexity_is_exp_of_mean_negative_log_likelihood():
-    rec = TeacherForced(np.zeros((1, 2, 1), int), np.zeros((1, 2, 1)), np.log(np.array([[0.5, 0.125]])))
+    rec = TeacherForced(np.zeros((1, 2, 1), int), np.zeros((1, 2, 1)), np.log(np.array([[0.5, 0.125]])),
+                        np.zeros((1, 2), int))
     assert perplexity(rec) == pytest.approx(4.0)  # exp(-(ln 1/2 + ln 1/8) / 2) = sqrt(16)
 
 
@@ -83,6 +84,23 @@ def test_topk_kl_sees_a_distribution_that_moved_its_mass(rng):
     assert kl.mean() > 0.5
 
 
+def test_topk_kl_counts_the_target_when_the_top_k_lists_are_disjoint(rng):
+    """A broken format that moves all its mass to other tokens: no token is in both top-K lists, yet the target's
+    log-probability, known in both, keeps the bound from collapsing to 0 (the bucket alone would match)."""
+    ref_lp = random_logprobs(rng, (1, 30, 1000), temperature=0.3)
+    ref_lp[..., 900:] = -30.0  # the reference puts its mass on tokens 0..899
+    ref_lp -= np.log(np.exp(ref_lp).sum(-1, keepdims=True))
+    targets = ref_lp.argmax(-1)  # text the reference predicts well
+    broken_lp = np.full_like(ref_lp, np.log(1e-6))  # almost nothing on those tokens...
+    broken_lp[..., 900:] = np.log((1 - 900e-6) / 100)  # ...and the rest on tokens 900..999
+    ref, broken = record_from_logprobs(ref_lp, targets, 20), record_from_logprobs(broken_lp, targets, 20)
+    assert not (ref.top_ids[..., :, None] == broken.top_ids[..., None, :]).any()
+    kl = topk_kl(ref, broken)
+    exact = exact_kl(ref_lp, broken_lp)
+    assert np.all(kl <= exact + 1e-9)
+    assert kl.mean() > 0.5 * exact.mean()
+
+
 def test_first_divergence_and_greedy_match():
     ref = Greedy(np.array([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]))
     fmt = Greedy(np.array([[1, 2, 3, 4], [5, 0, 7, 8], [0, 9, 9, 9]]))
@@ -96,9 +114,13 @@ def test_first_divergence_and_greedy_match():
 
 
 def test_mismatched_records_are_rejected():
-    a = TeacherForced(np.zeros((1, 3, 2), int), np.zeros((1, 3, 2)), np.zeros((1, 3)))
-    b = TeacherForced(np.zeros((1, 4, 2), int), np.zeros((1, 4, 2)), np.zeros((1, 4)))
+    a = TeacherForced(np.zeros((1, 3, 2), int), np.zeros((1, 3, 2)), np.zeros((1, 3)), np.zeros((1, 3), int))
+    b = TeacherForced(np.zeros((1, 4, 2), int), np.zeros((1, 4, 2)), np.zeros((1, 4)), np.zeros((1, 4), int))
     with pytest.raises(ValueError, match="shape"):
         top1_agreement(a, b)
     with pytest.raises(ValueError, match="inconsistent"):
-        TeacherForced(np.zeros((1, 3, 2), int), np.zeros((1, 3, 3)), np.zeros((1, 3)))
+        TeacherForced(np.zeros((1, 3, 2), int), np.zeros((1, 3, 3)), np.zeros((1, 3)), np.zeros((1, 3), int))
+    with pytest.raises(ValueError, match="inconsistent"):
+        TeacherForced(np.zeros((1, 3, 2), int), np.zeros((1, 3, 2)), np.zeros((1, 3)), np.zeros((1, 2), int))
+    with pytest.raises(ValueError, match="different target tokens"):
+        topk_kl(a, TeacherForced(a.top_ids, a.top_logprobs, a.target_logprobs, np.ones((1, 3), int)))
