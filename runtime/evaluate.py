@@ -48,12 +48,13 @@ def add_arguments(parser) -> None:
     # vLLM engine
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (starts faster)")
-    parser.add_argument("--prefill-chunk", type=int, default=64, metavar="TOKENS",
-                        help="prefill at most TOKENS tokens per engine step (chunked prefill), so that teacher-forced "
-                             "positions read their earlier chunks back from the KV cache (default 64; S4 KV still "
-                             "attends to its own chunk's tokens in bf16: `--engine torch` reads every context token "
-                             "from the format); 0: vLLM's default chunking, as served, where a window is one chunk "
-                             "and S4 KV's teacher-forced numbers equal bf16's")
+    parser.add_argument("--prefill-chunk", type=int, default=1, metavar="TOKENS",
+                        help="prefill each sequence at most TOKENS tokens per engine step (chunked prefill). The "
+                             "default 1 runs every teacher-forced position as a decode step: its whole context, its "
+                             "own token included, is read back from the KV cache in every format (S4 KV attends to a "
+                             "prefill chunk's own tokens in bf16, so larger chunks mix bf16 into its numbers); 0: "
+                             "vLLM's default chunking, as served, where a window is one chunk and S4 KV's "
+                             "teacher-forced numbers equal bf16's")
     # torch engine
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -90,11 +91,17 @@ def parse_formats(text: str) -> list[str]:
 Records = dict[str, tuple[TeacherForced, Greedy]]
 
 
+EVAL_MAX_SEQS = 64  # sequences that advance together (the default regimes score 64 or 16 windows)
+
+
 def prefill_chunking(tokens: int) -> dict:
-    """Engine kwargs that cap a step's prefill at ``tokens`` (vLLM needs max_num_seqs <= the token budget)."""
+    """Engine kwargs that prefill each sequence at most ``tokens`` per step (vLLM's long_prefill_token_threshold
+    caps running and waiting requests alike), with a step budget that lets EVAL_MAX_SEQS sequences advance
+    together."""
     if tokens <= 0:
         return {}
-    return {"enable_chunked_prefill": True, "max_num_batched_tokens": tokens, "max_num_seqs": min(tokens, 256)}
+    return {"enable_chunked_prefill": True, "long_prefill_token_threshold": tokens,
+            "max_num_batched_tokens": tokens * EVAL_MAX_SEQS, "max_num_seqs": EVAL_MAX_SEQS}
 
 
 def vllm_records(args, model: str, fmt: str, inputs: list[RegimeInputs], max_len: int, workdir: Path) -> Records:

@@ -3,7 +3,7 @@
 The same token ids go through vLLM (bf16 weights and KV) and through the torch engine (float32, K/V rounded
 to bf16): teacher-forced records must agree up to bf16 arithmetic, which checks that the worker reads vLLM's
 prompt log-probs at the right positions and in rank order, also when `--prefill-chunk` splits every window
-into engine steps of 16 tokens. About 30 s per CPU engine start.
+into engine steps of 16 tokens or of one token per sequence (the default). About 30 s per CPU engine start.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("prefill_chunk", [0, 16], ids=["one-chunk", "16-token-chunks"])
+@pytest.mark.parametrize("prefill_chunk", [0, 16, 1], ids=["one-chunk", "16-token-chunks", "token-by-token"])
 @pytest.mark.parametrize("tiny_model", ["qwen2"], indirect=True)  # the worker is model-agnostic; one model is enough
 def test_vllm_records_match_the_torch_engine(tiny_model, tmp_path, prefill_chunk):
     from transformers import AutoTokenizer
@@ -43,7 +43,8 @@ def test_vllm_records_match_the_torch_engine(tiny_model, tmp_path, prefill_chunk
     assert metrics["top1_agreement"] > 0.9 and metrics["mean_kl"] < 0.01, metrics
 
 
-def test_prefill_chunk_caps_the_step_and_the_batch():
+def test_prefill_chunk_caps_each_sequence_and_lets_them_advance_together():
     assert prefill_chunking(0) == {}
-    assert prefill_chunking(64) == {"enable_chunked_prefill": True, "max_num_batched_tokens": 64, "max_num_seqs": 64}
-    assert prefill_chunking(4096)["max_num_seqs"] == 256
+    assert prefill_chunking(1) == {"enable_chunked_prefill": True, "long_prefill_token_threshold": 1,
+                                   "max_num_batched_tokens": 64, "max_num_seqs": 64}
+    assert prefill_chunking(64)["max_num_batched_tokens"] == 64 * 64
