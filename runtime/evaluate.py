@@ -136,6 +136,11 @@ def compare(reference: Records, records: Records) -> dict[str, dict]:
     return out
 
 
+def model_name(model: str) -> str:
+    """A model's short name for titles and file names: its folder, or the hub id's last part."""
+    return Path(model.rstrip("/")).name
+
+
 def evaluate(args, save=lambda result: None) -> dict:
     """Every format against bf16; ``save(result)`` runs after each format, with ``result["pending"]`` naming the
     formats still to measure, so that a run cut short (a device call's limit) keeps what it measured."""
@@ -161,7 +166,7 @@ def evaluate(args, save=lambda result: None) -> dict:
             return vllm_records(args, args.model, fmt, inputs, max_len, workdir)
 
     result = {
-        "model": args.model, "model_name": Path(args.model.rstrip("/")).name, "engine": args.engine,
+        "model": args.model, "model_name": model_name(args.model), "engine": args.engine,
         "command": "s4kv " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "top_k": args.top_k, "heldout": args.heldout, "regimes": describe(inputs), "formats": {}, "seconds": {},
         "pending": list(formats),
@@ -193,7 +198,7 @@ def run(args) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # not Path.with_suffix: model names such as Qwen2.5-7B-Instruct contain dots
-    name = f"{Path(args.model.rstrip('/')).name}-{args.engine}"
+    name = f"{model_name(args.model)}-{args.engine}"
     json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
     result = evaluate(args, save=lambda partial: json_path.write_text(json.dumps(partial, indent=1)))
     json_path.write_text(json.dumps(result, indent=1))

@@ -62,26 +62,29 @@ def perplexity(record: TeacherForced) -> float:
     return float(np.exp(-record.target_logprobs.mean()))
 
 
+def _kl_terms(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """p * log(p / q) per part of a partition, finite where a part is empty."""
+    return p * (np.log(np.maximum(p, FLOOR)) - np.log(np.maximum(q, FLOOR)))
+
+
 def topk_kl(ref: TeacherForced, fmt: TeacherForced) -> np.ndarray:
     """Per-position KL(ref || fmt) lower bound [S, N] from top-K lists (see the module docstring)."""
     _same_shape(ref, fmt, "topk_kl")
+    if np.any(ref.target_ids != fmt.target_ids):
+        raise ValueError("topk_kl: the two records score different target tokens")
     p = np.exp(ref.top_logprobs.astype(np.float64))  # [S, N, K]
     match = ref.top_ids[..., :, None] == fmt.top_ids[..., None, :]  # [S, N, K_ref, K_fmt]
     found = match.any(-1)
     q = (match * np.exp(fmt.top_logprobs.astype(np.float64))[..., None, :]).sum(-1)
     p_known, q_known = np.where(found, p, 0.0), np.where(found, q, 0.0)
-    head = (p_known * (np.log(np.maximum(p_known, FLOOR)) - np.log(np.maximum(q_known, FLOOR)))).sum(-1)
     # the target's own part, unless it is already one of the shared tokens
-    if np.any(ref.target_ids != fmt.target_ids):
-        raise ValueError("topk_kl: the two records score different target tokens")
     target_shared = ((ref.top_ids == ref.target_ids[..., None]) & found).any(-1)
     p_target = np.where(target_shared, 0.0, np.exp(ref.target_logprobs.astype(np.float64)))
     q_target = np.where(target_shared, 0.0, np.exp(fmt.target_logprobs.astype(np.float64)))
-    head += p_target * (np.log(np.maximum(p_target, FLOOR)) - np.log(np.maximum(q_target, FLOOR)))
     p_rest = np.clip(1.0 - p_known.sum(-1) - p_target, 0.0, 1.0)
     q_rest = np.clip(1.0 - q_known.sum(-1) - q_target, 0.0, 1.0)
-    tail = p_rest * (np.log(np.maximum(p_rest, FLOOR)) - np.log(np.maximum(q_rest, FLOOR)))
-    return np.maximum(head + tail, 0.0)
+    kl = _kl_terms(p_known, q_known).sum(-1) + _kl_terms(p_target, q_target) + _kl_terms(p_rest, q_rest)
+    return np.maximum(kl, 0.0)
 
 
 def exact_kl(ref_logprobs: np.ndarray, fmt_logprobs: np.ndarray) -> np.ndarray:

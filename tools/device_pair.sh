@@ -14,9 +14,9 @@ cd "$(dirname "$0")/.."
 [ $# -eq 2 ] || { echo "usage: device_pair.sh 'JOB FOR GPU 0' 'JOB FOR GPU 1'"; exit 2; }
 export PYTHONUNBUFFERED=1
 pack() { [ -d "$OUT/gpu0" ] && tar -czf "$OUT/pair.tar.gz" -C "$OUT" gpu0 gpu1 && rm -rf "$OUT/gpu0" "$OUT/gpu1"; }
+pids=()
 # a call cut at its limit still returns one archive, not more files than come back
 trap 'kill "${pids[@]}" 2>/dev/null; pack; exit 124' TERM
-pids=()
 for gpu in 0 1; do
   job=${*:gpu+1:1}
   mkdir -p "$OUT/gpu$gpu"
