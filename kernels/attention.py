@@ -15,7 +15,7 @@ and constants, never on sequence lengths: the kernels are CUDA-graph safe.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -47,12 +47,15 @@ class LaunchConfig:
 
 # The ways codes become MMA operands, by name (LaunchConfig fields): what the GPU tests check and the tuning and
 # benchmark tools sweep. "+ptx" needs the GPU compiler.
-CODE_PATHS = {"biased": {}, "subnormal": {"subnormal_codes": True},
-              "biased+ptx": {"ptx_unpack": True}, "subnormal+ptx": {"subnormal_codes": True, "ptx_unpack": True}}
+CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
+              "subnormal": {"subnormal_codes": True, "ptx_unpack": False},
+              "biased+ptx": {"subnormal_codes": False, "ptx_unpack": True},
+              "subnormal+ptx": {"subnormal_codes": True, "ptx_unpack": True}}
 
-# measured on the H200 by tools/tune_attention.py (docs/performance.md, tuning log)
-DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3),
-                 "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=3)}
+# measured on the H200 (docs/performance.md, tuning log): each scheme's fastest code path at batch 32-256 in the
+# kernel table of 2026-11-30 (session 5), launch shape from tools/tune_attention.py
+DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3, subnormal_codes=True, ptx_unpack=True),
+                 "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=3, subnormal_codes=False, ptx_unpack=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
 
 
@@ -391,6 +394,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     num_seqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     decode = max_query_len == 1
+    default_launch = launch is None
     if decode:
         block_m = max(16, triton.next_power_of_2(group))
         block_q, launch = 1, launch or DECODE_LAUNCH[scheme.name]
@@ -398,7 +402,10 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         block_m = max(64, triton.next_power_of_2(group))
         block_q, launch = block_m // group, launch or PREFILL_LAUNCH
     if launch.ptx_unpack and isinstance(_paged_attention_kernel, InterpretedFunction):
-        raise ValueError("LaunchConfig.ptx_unpack runs inline PTX, which the Triton interpreter cannot run")
+        if not default_launch:
+            raise ValueError("LaunchConfig.ptx_unpack runs inline PTX, which the Triton interpreter cannot run")
+        # the default launch off the GPU: the Triton-op unpack gives bit-identical operands (tests/kernels, gpu)
+        launch = replace(launch, ptx_unpack=False)
     num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None) else 1
     if num_splits > 1 and workspace.num_q_heads != num_q_heads:
         raise ValueError("workspace was allocated for another number of query heads")
