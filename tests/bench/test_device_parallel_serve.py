@@ -1,7 +1,8 @@
 """tools/device_parallel.sh's `serve` step without a GPU: stand-ins for nvidia-smi and for the server worker of
 tools/device_plugin_e2e.py (a fake python3 that prints the worker's RESULT line) check that both servers start
 side by side with the right layout flags, that their results land in $OUT/serve.json and the logs tarball, and
-that one failed check fails the step with its name."""
+that one failed check fails the step with its name, and that a step with too little time left is skipped, not
+started with a timeout it cannot meet."""
 
 import json
 import os
@@ -24,7 +25,7 @@ echo "RESULT {{\\"startup_s\\": 1.0, \\"kv_line\\": \\"986,880\\", $(printf '\\"
 """
 
 
-def run_serve(tmp_path: Path, fail_dp: bool) -> tuple[subprocess.CompletedProcess, Path]:
+def run_serve(tmp_path: Path, fail_dp: bool, limit_s: int = 300) -> tuple[subprocess.CompletedProcess, Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\n[ \"$1\" = -L ] && printf 'GPU 0: H200\\nGPU 1: H200\\n'\n"
@@ -39,7 +40,7 @@ def run_serve(tmp_path: Path, fail_dp: bool) -> tuple[subprocess.CompletedProces
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), VLLM_SITE=str(vllm_site),
-               WORK_DIR=str(tmp_path / "work"), LIMIT_S="300")
+               WORK_DIR=str(tmp_path / "work"), LIMIT_S=str(limit_s))
     env.pop("DRY_RUN", None)
     if fail_dp:
         env["FAIL_DP"] = "1"
@@ -68,3 +69,11 @@ def test_a_failed_check_fails_the_step_and_names_it(tmp_path):
     assert done.returncode == 1
     assert "[serve] dp2: FAILED stop" in done.stdout
     assert json.loads((out / "serve.json").read_text())["dp2"]["stop"] is False
+
+
+def test_serve_is_skipped_when_too_little_time_is_left(tmp_path):
+    """The fifth session's call started both servers with --timeout-s -9 (51 s left) and recorded two failures."""
+    done, out = run_serve(tmp_path, fail_dp=False, limit_s=150)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "serve skipped" in done.stdout and "[serve] tp2" not in done.stdout  # no server was started
+    assert "the servers need 180 s" in json.loads((out / "serve.json").read_text())["skipped"]
