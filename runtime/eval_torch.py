@@ -35,10 +35,14 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 class PagedInt4Cache:
-    """Per (layer, sequence) paged int4 caches of one S4 KV scheme; tokens are stored once, in arrival order."""
+    """Per (layer, sequence) paged int4 caches of one S4 KV scheme; tokens are stored once, in arrival order.
 
-    def __init__(self, scheme: Int4Scheme):
+    ``write_chunk`` tokens go to ``store_kv`` per call (None: all new tokens in one call, as one prefill writes them;
+    1: one token per call, as decode steps write them, so every int4_kivi block closes from staged keys)."""
+
+    def __init__(self, scheme: Int4Scheme, write_chunk: int | None = None):
         self.scheme = scheme
+        self.write_chunk = write_chunk
         self.caches: dict[tuple[int, int], torch.Tensor] = {}
         self.lengths: dict[tuple[int, int], int] = {}
 
@@ -61,10 +65,12 @@ class PagedInt4Cache:
             slot = (layer_idx, b)
             stored = self.lengths.get(slot, 0)
             cache = self._cache_for(slot, num_kv_heads, length, key.device)
-            if length > stored:  # only tokens the cache has not seen yet are written, as in a paged cache
-                ref.store_kv(key[b, :, stored:].transpose(0, 1).float(), value[b, :, stored:].transpose(0, 1).float(),
-                             cache, torch.arange(stored, length, device=key.device), self.scheme)
-                self.lengths[slot] = length
+            step = self.write_chunk or max(length - stored, 1)
+            for start in range(stored, length, step):  # only tokens the cache has not seen yet, as in a paged cache
+                new = slice(start, min(start + step, length))
+                ref.store_kv(key[b, :, new].transpose(0, 1).float(), value[b, :, new].transpose(0, 1).float(),
+                             cache, torch.arange(new.start, new.stop, device=key.device), self.scheme)
+            self.lengths[slot] = max(stored, length)
             k, v = ref.dequantize_sequence(cache, torch.arange(cache.shape[0], device=key.device), length, self.scheme)
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))

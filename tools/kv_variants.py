@@ -29,6 +29,8 @@ VARIANTS = {
     "fp8 e4m3": TORCH_FORMATS["fp8_fa3"],
     "vLLM int4_per_token_head (emulated)": TORCH_FORMATS["vllm_int4"],
     "int4_kivi": TORCH_FORMATS["s4kv_kivi"],
+    "int4_kivi, written one token per step (every block closed by decode)":
+        lambda: PagedInt4Cache(Int4Scheme("int4_kivi"), write_chunk=1),
     "int4_saw (default: hadamard_block 128)": TORCH_FORMATS["s4kv_saw"],
     "int4_saw rotate_values": lambda: PagedInt4Cache(Int4Scheme("int4_saw", 128, rotate_values=True)),
     "int4_saw hadamard_block 64, rotate_values": lambda: PagedInt4Cache(Int4Scheme("int4_saw", 64, True)),
