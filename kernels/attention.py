@@ -4,9 +4,10 @@ One kernel serves decode, prefill and chunked prefill with a cached prefix (mixe
 them). A program owns BLOCK_Q query tokens x all GROUP query heads of one KV head, so every K/V tile is loaded
 and dequantized once per KV head (GQA shared). Rows of the [BLOCK_M, 128] query tile are (token, head) pairs.
 
-Scores are taken in the space the keys are stored in: int4_saw keys (and open int4_kivi blocks) are rotated,
-so the program rotates Q once (the rotation is orthonormal, scores are unchanged); closed int4_kivi blocks hold
-unrotated per-channel keys and use Q as is. With rotated values the output is un-rotated at the end.
+Scores are taken in the space the keys are stored in: int4_saw keys (and staged int4_kivi blocks: open, or
+closed over several batches) are rotated, so the program rotates Q once (the rotation is orthonormal, scores are
+unchanged); int4_kivi blocks closed per channel hold unrotated keys and use Q as is. With rotated values the
+output is un-rotated at the end.
 
 Decode batches (max_query_len == 1) with a workspace split the context over NUM_SPLITS programs (flash-decoding)
 and a second kernel merges the partial softmaxes. Grids depend only on the token count, the number of sequences
@@ -24,7 +25,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .layout import HEAD_DIM, KIVI_BLOCK_SIZE, PageLayout, tile_tokens
 from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
-from .triton_common import load_channel_params, load_token_params, rotate_halves
+from .triton_common import (kivi_block_is_per_channel, load_channel_params, load_key_token_params, load_token_params,
+                            rotate_halves)
 
 LOG2E = 1.4426950408889634
 # the 16-bit floats whose mantissa ulp is exactly 1, as bits: a code ORed in is the float bias + code
@@ -169,14 +171,14 @@ def _load_codes(cache_u8_ptr, page, region, offset, CHANNEL_MAJOR: tl.constexpr,
 def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
                       CODE_SCALE: tl.constexpr):
     """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys."""
-    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written)
+    s_t, m_t = load_key_token_params(cache_f16_ptr, k_params, offset, written)
     raw = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
     return raw * (s_t * CODE_SCALE)[None, :] + q_sum[:, None] * m_t[None, :]
 
 
 @triton.jit
 def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE: tl.constexpr):
-    """Q K^T for a closed KIVI block (unrotated keys, per-channel params): (Q * scale) . codes + Q . min."""
+    """Q K^T for a KIVI block closed per channel (unrotated keys, per-channel params): (Q * scale) . codes + Q . min."""
     s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params)
     dt = q_lo.dtype
     q32_lo = q_lo.to(tl.float32)
@@ -259,7 +261,7 @@ def _paged_attention_kernel(
                                      IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
             k_params = (page + layout_k_params) // 2
             if IS_KIVI:
-                if (logical_block + 1) * BLOCK_SIZE <= seq_len:
+                if kivi_block_is_per_channel(cache_f16_ptr, k_params, logical_block, seq_len, BLOCK_SIZE):
                     scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE)
                 else:
                     scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset,

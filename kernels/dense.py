@@ -14,7 +14,8 @@ import triton.language as tl
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout, tile_tokens
 from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
-from .triton_common import load_channel_params, load_token_params, rotate_halves_fp32
+from .triton_common import (kivi_block_is_per_channel, load_channel_params, load_key_token_params, load_token_params,
+                            rotate_halves_fp32)
 
 TILE = 64
 
@@ -28,7 +29,7 @@ def _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params):
 @triton.jit
 def _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK: tl.constexpr):
     """Per-token dequantization, then back from the rotated space (R is its own inverse)."""
-    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, cached)
+    s_t, m_t = load_key_token_params(cache_f16_ptr, k_params, offset, cached)
     return rotate_halves_fp32(k_lo * s_t[:, None] + m_t[:, None], k_hi * s_t[:, None] + m_t[:, None], HADAMARD_BLOCK)
 
 
@@ -65,7 +66,7 @@ def _gather_dense_kernel(
         k_hi = (k_bytes >> 4).to(tl.float32)
         k_params = (page + 132 * BLOCK_SIZE) // 2
         if IS_KIVI:
-            if (logical_block + 1) * BLOCK_SIZE <= seq_len:
+            if kivi_block_is_per_channel(cache_f16_ptr, k_params, logical_block, seq_len, BLOCK_SIZE):
                 k_lo, k_hi = _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params)
             else:
                 k_lo, k_hi = _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, cached, HADAMARD_BLOCK)

@@ -10,8 +10,10 @@ CPU engine. Semantics (shared with the Triton kernels in store.py and attention.
 * int4_saw: keys (and values if ``rotate_values``) are quantized per token after ``x @ R``, ``R`` the
   block-diagonal Hadamard; attention un-rotates implicitly (R is orthonormal);
 * int4_kivi: values per token, unrotated. Keys of an open (partially filled) block are staged per token after
-  the full-head rotation; when a block's last slot is written, its 128 keys are re-quantized per channel from
-  the original keys where they are in the same batch, else from the dequantized staged keys.
+  the full-head rotation. When a block's last slot is written in a batch that holds all 128 of its original keys
+  (a prefill), they are quantized per channel. Otherwise (a block filled over several steps) the staged keys stay
+  as they are, marked by the sign bit of token 0's key scale (``staged_flags``): re-quantizing them per channel
+  would quantize them twice.
 """
 
 from __future__ import annotations
@@ -111,26 +113,30 @@ def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme) -> None:
         codes_view[blk, :, off] = pack_nibbles(codes)
         params_view[blk, :, off] = torch.stack([scale, minimum], -1)
     if scheme.is_kivi:
-        _close_kivi_blocks(key, slots, pages, rot)
+        _close_kivi_blocks(key, slots, pages)
 
 
-def _close_kivi_blocks(key, slots, pages: PageViews, rot) -> None:
+def _close_kivi_blocks(key, slots, pages: PageViews) -> None:
     bsz = pages.block_size
     for i in (slots % bsz == bsz - 1).logical_and(slots >= 0).nonzero().squeeze(1).tolist():
         blk = int(slots[i]) // bsz
-        # staged keys of the whole block, dequantized and un-rotated
-        staged = dequantize_per_token(
-            unpack_nibbles(pages.k_codes[blk]), pages.k_params[blk, :, :, 0], pages.k_params[blk, :, :, 1]
-        ) @ rot  # [Hkv, B, 128]
         src = torch.arange(i - bsz + 1, i + 1, device=slots.device)
         expected_slot = slots[i] - (bsz - 1) + torch.arange(bsz, device=slots.device)
-        fresh = (src >= 0) & (slots[src.clamp(min=0)] == expected_slot)
-        exact = key[src.clamp(min=0)].float().transpose(0, 1)  # [Hkv, B, 128]
-        block_keys = torch.where(fresh[None, :, None], exact, staged)
-        for h in range(block_keys.shape[0]):
-            codes, scale, minimum = quantize_per_channel(block_keys[h])
+        if not ((src >= 0) & (slots[src.clamp(min=0)] == expected_slot)).all():
+            # some keys exist only as staged codes: keep the block staged, flagged in token 0's key scale
+            pages.k_params[blk, :, 0, 0] = -pages.k_params[blk, :, 0, 0].abs()
+            continue
+        for h in range(key.shape[1]):
+            codes, scale, minimum = quantize_per_channel(key[src, h].float())
             pages.k_codes[blk, h] = pack_nibbles(codes)
-            pages.k_params[blk, h] = torch.stack([scale, minimum], -1)
+            # a clear sign bit says "per channel", also for a NaN scale (a broken input)
+            pages.k_params[blk, h] = torch.stack([scale.abs(), minimum], -1)
+
+
+def staged_flags(k_params: torch.Tensor) -> torch.Tensor:
+    """For the key params [..., B, 2] of blocks: True where a closed int4_kivi block kept its staged keys (the
+    sign bit of token 0's scale; scales are never negative otherwise, so -0.0 and a negative NaN count)."""
+    return k_params[..., 0, 0].view(torch.int16) < 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,11 +151,12 @@ def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Sch
     blocks = block_table_row[:nblocks].long()
     k_codes = unpack_nibbles(pages.k_codes[blocks])  # [n, Hkv, B, 128]
     kp = pages.k_params[blocks]
-    k = dequantize_per_token(k_codes, kp[..., 0], kp[..., 1]) @ rot
+    k = dequantize_per_token(k_codes, kp[..., 0].abs(), kp[..., 1]) @ rot  # abs: the staged flag (staged_flags)
     if scheme.is_kivi:
-        closed = torch.arange(nblocks, device=kv_cache.device) * bsz + bsz <= seq_len
+        full = torch.arange(nblocks, device=kv_cache.device) * bsz + bsz <= seq_len
+        closed = full[:, None] & ~staged_flags(kp)  # [n, Hkv]: per head, as every head's page carries its flag
         per_channel = dequantize_per_channel(k_codes, kp[..., None, :, 0], kp[..., None, :, 1])
-        k = torch.where(closed[:, None, None, None], per_channel, k)
+        k = torch.where(closed[:, :, None, None], per_channel, k)
     vp = pages.v_params[blocks]
     v = dequantize_per_token(unpack_nibbles(pages.v_codes[blocks]), vp[..., 0], vp[..., 1])
     if scheme.rotate_values:

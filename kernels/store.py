@@ -2,7 +2,8 @@
 
 ``store_kv`` runs one per-token kernel for the keys and one for the values (rotation fused for int4_saw keys,
 optional for its values, and for the staged keys of an open int4_kivi block); for int4_kivi a third launch then
-re-quantizes per channel every block whose last slot was written in this batch. Launches follow each other on
+closes every block whose last slot was written in this batch: per channel from the original keys if the batch
+holds all of them, else by flagging its staged keys (reference.py). Launches follow each other on
 one stream, so the close sees the staged keys. Grids depend only on the number of tokens and KV heads.
 """
 
@@ -13,8 +14,8 @@ import triton
 import triton.language as tl
 
 from .layout import HALF_DIM, KIVI_BLOCK_SIZE, PageLayout
-from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
-from .triton_common import encode, finite_rows, load_token_params, rotate_halves, rotate_halves_fp32, scale_and_min
+from .scheme import Int4Scheme
+from .triton_common import encode, finite_rows, rotate_halves, scale_and_min
 
 TOKENS_PER_PROGRAM = 16
 
@@ -61,9 +62,10 @@ def _store_per_token_kernel(
 def _kivi_close_kernel(
     key_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr,
     key_stride_t, key_stride_h, stride_block, stride_head,
-    K_PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, HADAMARD_BLOCK: tl.constexpr,
+    K_PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    """Program (token, head): if the token filled its block's last slot, re-quantize that block's keys per channel."""
+    """Program (token, head): if the token filled its block's last slot, quantize the block's keys per channel from
+    the originals when all of them are in this batch, else keep its staged keys and flag the block (reference.py)."""
     tok = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -71,33 +73,30 @@ def _kivi_close_kernel(
         t = tl.arange(0, BLOCK_SIZE)
         ch = tl.arange(0, 64)
         page = (slot // BLOCK_SIZE) * stride_block + head * stride_head
-        # keys written in this batch (same sequence, contiguous slots) are taken exactly
+        k_params = (page + K_PARAMS_OFFSET) // 2
+        # the block's keys are all in this batch iff the 127 rows before this one are its earlier slots
         src = tok - (BLOCK_SIZE - 1) + t
         src_slot = tl.load(slot_ptr + src, mask=src >= 0, other=-1)
         fresh = (src >= 0) & (src_slot == slot - (BLOCK_SIZE - 1) + t)
-        key = key_ptr + src[:, None].to(tl.int64) * key_stride_t + head * key_stride_h + ch[None, :]
-        exact_lo = tl.load(key, mask=fresh[:, None], other=0.0).to(tl.float32)
-        exact_hi = tl.load(key + 64, mask=fresh[:, None], other=0.0).to(tl.float32)
-        # the others from their staged per-token codes, dequantized and un-rotated
-        packed = tl.load(cache_u8_ptr + page + t[:, None] * 64 + ch[None, :])
-        scale, minimum = load_token_params(cache_f16_ptr, (page + K_PARAMS_OFFSET) // 2, t, fresh == 0)
-        staged_lo = (packed & 15).to(tl.float32) * scale[:, None] + minimum[:, None]
-        staged_hi = (packed >> 4).to(tl.float32) * scale[:, None] + minimum[:, None]
-        staged_lo, staged_hi = rotate_halves_fp32(staged_lo, staged_hi, HADAMARD_BLOCK)
-        k_lo = tl.where(fresh[:, None], exact_lo, staged_lo)
-        k_hi = tl.where(fresh[:, None], exact_hi, staged_hi)
-
-        finite_lo = tl.min(((k_lo == k_lo) & (tl.abs(k_lo) != float("inf"))).to(tl.int32), 0)
-        finite_hi = tl.min(((k_hi == k_hi) & (tl.abs(k_hi) != float("inf"))).to(tl.int32), 0)
-        s_lo, m_lo = scale_and_min(tl.min(k_lo, 0), tl.max(k_lo, 0), finite_lo)
-        s_hi, m_hi = scale_and_min(tl.min(k_hi, 0), tl.max(k_hi, 0), finite_hi)
-        codes = encode(k_lo, s_lo[None, :], m_lo[None, :]) | (encode(k_hi, s_hi[None, :], m_hi[None, :]) << 4)
-        tl.store(cache_u8_ptr + page + t[:, None] * 64 + ch[None, :], codes)
-        channel_params = (page + K_PARAMS_OFFSET) // 2 + ch * 2
-        tl.store(cache_f16_ptr + channel_params, s_lo.to(tl.float16))
-        tl.store(cache_f16_ptr + channel_params + 1, m_lo.to(tl.float16))
-        tl.store(cache_f16_ptr + channel_params + 128, s_hi.to(tl.float16))
-        tl.store(cache_f16_ptr + channel_params + 129, m_hi.to(tl.float16))
+        if tl.min(fresh.to(tl.int32), 0) == 1:
+            key = key_ptr + src[:, None].to(tl.int64) * key_stride_t + head * key_stride_h + ch[None, :]
+            k_lo = tl.load(key).to(tl.float32)
+            k_hi = tl.load(key + 64).to(tl.float32)
+            finite_lo = tl.min(((k_lo == k_lo) & (tl.abs(k_lo) != float("inf"))).to(tl.int32), 0)
+            finite_hi = tl.min(((k_hi == k_hi) & (tl.abs(k_hi) != float("inf"))).to(tl.int32), 0)
+            s_lo, m_lo = scale_and_min(tl.min(k_lo, 0), tl.max(k_lo, 0), finite_lo)
+            s_hi, m_hi = scale_and_min(tl.min(k_hi, 0), tl.max(k_hi, 0), finite_hi)
+            codes = encode(k_lo, s_lo[None, :], m_lo[None, :]) | (encode(k_hi, s_hi[None, :], m_hi[None, :]) << 4)
+            tl.store(cache_u8_ptr + page + t[:, None] * 64 + ch[None, :], codes)
+            channel_params = k_params + ch * 2
+            # a clear sign bit says "per channel", also for a NaN scale (a broken input)
+            tl.store(cache_f16_ptr + channel_params, tl.abs(s_lo).to(tl.float16))
+            tl.store(cache_f16_ptr + channel_params + 1, m_lo.to(tl.float16))
+            tl.store(cache_f16_ptr + channel_params + 128, tl.abs(s_hi).to(tl.float16))
+            tl.store(cache_f16_ptr + channel_params + 129, m_hi.to(tl.float16))
+        else:
+            first_scale = tl.load(cache_f16_ptr + k_params)
+            tl.store(cache_f16_ptr + k_params, -tl.abs(first_scale))
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -129,6 +128,5 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         _kivi_close_kernel[(num_tokens, num_kv_heads)](
             key, slot_mapping, kv_cache, cache_f16,
             key.stride(0), key.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-            K_PARAMS_OFFSET=layout.k_params, BLOCK_SIZE=block_size, HADAMARD_BLOCK=KIVI_STAGING_BLOCK,
-            num_warps=8,
+            K_PARAMS_OFFSET=layout.k_params, BLOCK_SIZE=block_size, num_warps=8,
         )

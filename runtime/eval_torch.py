@@ -4,8 +4,8 @@ Every layer's post-RoPE keys and values pass through a transform (torch_kv.py) t
 format's KV cache would and hands attention what that cache gives back:
 
 * ``s4kv_kivi`` / ``s4kv_saw``: the S4 KV torch reference (``s4kv.kernels.reference``): each sequence and layer
-  owns a paged int4 cache; new tokens are written with ``store_kv`` (so KIVI blocks close exactly as in vLLM,
-  decode tokens double-quantized included) and attention reads ``dequantize_sequence``;
+  owns a paged int4 cache; new tokens are written with ``store_kv`` (so KIVI blocks close exactly as in vLLM:
+  per channel when one write holds the whole block, else staged) and attention reads ``dequantize_sequence``;
 * ``bf16_fa3``: K/V rounded to bf16 (what a bf16 cache holds); the reference of the comparison;
 * ``fp8_fa3``: K/V cast to fp8 e4m3 with scale 1 (saturating), as vLLM's fp8 cache without checkpoint scales;
 * ``vllm_int4``: an emulation of vLLM's int4_per_token_head: a 128-wide Hadamard with fixed random signs, then
@@ -38,7 +38,7 @@ class PagedInt4Cache:
     """Per (layer, sequence) paged int4 caches of one S4 KV scheme; tokens are stored once, in arrival order.
 
     ``write_chunk`` tokens go to ``store_kv`` per call (None: all new tokens in one call, as one prefill writes them;
-    1: one token per call, as decode steps write them, so every int4_kivi block closes from staged keys)."""
+    1: one token per call, as decode steps write them, so every int4_kivi block closes staged)."""
 
     def __init__(self, scheme: Int4Scheme, write_chunk: int | None = None):
         self.scheme = scheme

@@ -150,8 +150,8 @@ def cache_with_prefix(batch: PagedBatch, scheme: Int4Scheme, gen: torch.Generato
 def written_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int, scheme: Int4Scheme):
     """What a store of ``slot_mapping`` writes: (tokens bool [num_blocks, B], closed bool [num_blocks]).
 
-    ``tokens`` are the slots written per token; ``closed`` the int4_kivi blocks whose last slot is written, so that
-    all their keys (codes and the per-channel params) are rewritten.
+    ``tokens`` are the slots written per token; ``closed`` the int4_kivi blocks whose last slot is written, whose
+    keys may all be rewritten (per channel) or whose token-0 key scale gets the staged flag (docs/format.md).
     """
     slots = slot_mapping.long().cpu()
     slots = slots[slots >= 0]

@@ -1,6 +1,6 @@
 """Measures the round-trip error of each way a key or value can be stored, with the torch reference.
 
-The numbers in docs/format.md ("The open KIVI block and its error") come from this script (CPU, ~10 s):
+The numbers in docs/format.md ("The KIVI block's error, by how it closed") come from this script (CPU, ~10 s):
 
     python tests/kernels/measure_format_error.py
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # kv_batches and what it imports
 from kv_batches import poisoned_cache  # noqa: E402
 
 from s4kv.kernels import reference as ref  # noqa: E402
@@ -61,9 +61,9 @@ def main() -> None:
             lambda k: (stored_keys(k, KIVI, n, n, gen), k),
         "kivi, open block (staged): per token after the 128-wide Hadamard":
             lambda k: (stored_keys(k, KIVI, n, n - 1, gen)[last_block], k[last_block]),
-        "kivi, block closed by decode (1 token per step): per channel from the staged keys":
+        "kivi, block closed by decode (1 token per step): keeps its staged keys":
             lambda k: (stored_keys(k, KIVI, 1, n, gen), k),
-        "kivi, block closed by 32-token chunks (96 of 128 keys staged)":
+        "kivi, block closed by 32-token chunks (96 of 128 keys staged): keeps its staged keys":
             lambda k: (stored_keys(k, KIVI, 32, n, gen), k),
         "saw (hadamard_block 128): per token after the Hadamard":
             lambda k: (stored_keys(k, SAW, n, n, gen), k),
