@@ -18,21 +18,32 @@ DEFAULT_HELDOUT = REPO / "data" / "eval" / "heldout.jsonl"
 
 @dataclass(frozen=True)
 class Regime:
-    """One context regime (short or long): teacher-forced windows and greedy prompts."""
+    """One context regime (short or long): teacher-forced windows and greedy prompts.
+
+    A window's first ``prefill`` tokens are sent as one prompt, as a served request's prompt is; every later token
+    is forced one decode step at a time, and the positions predicted by decode steps (tokens prefill + 1 onward)
+    are scored. The first forced token is predicted by the prefill itself and is not scored."""
 
     name: str
     windows: int  # teacher-forced sequences
-    window_len: int  # tokens per sequence (all scored except the first)
+    window_len: int  # tokens per sequence
     prompts: int  # greedy prompts
     prompt_len: int
     generate: int  # tokens generated greedily per prompt
+    prefill: int = 1  # tokens of each window prefilled before its forced decode steps
 
     def __post_init__(self) -> None:
-        for field in ("windows", "window_len", "prompts", "prompt_len", "generate"):
+        for field in ("windows", "window_len", "prompts", "prompt_len", "generate", "prefill"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{self.name} regime: {field} must be positive, got {getattr(self, field)}")
-        if self.window_len < 2:
-            raise ValueError(f"{self.name} regime: window_len must be at least 2 to score a token")
+        if self.prefill > self.window_len - 2:
+            raise ValueError(f"{self.name} regime: a {self.window_len}-token window with {self.prefill} prefilled "
+                             f"tokens leaves no decode step to score (prefill must be at most window_len - 2)")
+
+    @property
+    def scored(self) -> slice:
+        """The window tokens whose log-probabilities are scored: those predicted by decode steps."""
+        return slice(self.prefill + 1, self.window_len)
 
 
 @dataclass

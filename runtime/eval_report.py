@@ -37,9 +37,13 @@ def markdown_table(result: dict) -> str:
     """One row per (regime, format); formats in the order they ran, the reference first."""
     lines = []
     for regime, settings in result["regimes"].items():
-        lines.append(f"**{result['model_name']}, {regime} context** ({settings['windows']} x {settings['window_len']} "
-                     f"teacher-forced tokens; {settings['prompts']} prompts of {settings['prompt_len']} tokens, "
-                     f"{settings['generate']} greedy tokens each)\n")
+        # results saved before windows had a prefill scored every token after the first
+        prefill = settings.get("prefill")
+        forced = (f"{settings['windows']} windows of {settings['window_len']} tokens: {prefill} prefilled, "
+                  f"{settings['window_len'] - prefill - 1} scored by forced decode steps" if prefill else
+                  f"{settings['windows']} x {settings['window_len']} teacher-forced tokens")
+        lines.append(f"**{result['model_name']}, {regime} context** ({forced}; {settings['prompts']} prompts of "
+                     f"{settings['prompt_len']} tokens, {settings['generate']} greedy tokens each)\n")
         lines.append("| KV format | " + " | ".join(title for _, title, _ in COLUMNS) + " |")
         lines.append("|---" * (len(COLUMNS) + 1) + "|")
         for name, per_regime in result["formats"].items():

@@ -37,12 +37,13 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 class PagedInt4Cache:
     """Per (layer, sequence) paged int4 caches of one S4 KV scheme; tokens are stored once, in arrival order.
 
-    ``write_chunk`` tokens go to ``store_kv`` per call (None: all new tokens in one call, as one prefill writes them;
-    1: one token per call, as decode steps write them, so every int4_kivi block closes staged)."""
+    With ``prefill_tokens`` set, a sequence's first ``prefill_tokens`` tokens go to ``store_kv`` in one call (its
+    prompt's prefill) and every later token in a call of its own (decode steps: an int4_kivi block they fill closes
+    staged). None: all new tokens of a forward in one call."""
 
-    def __init__(self, scheme: Int4Scheme, write_chunk: int | None = None):
+    def __init__(self, scheme: Int4Scheme, prefill_tokens: int | None = None):
         self.scheme = scheme
-        self.write_chunk = write_chunk
+        self.prefill_tokens = prefill_tokens
         self.caches: dict[tuple[int, int], torch.Tensor] = {}
         self.lengths: dict[tuple[int, int], int] = {}
 
@@ -65,11 +66,13 @@ class PagedInt4Cache:
             slot = (layer_idx, b)
             stored = self.lengths.get(slot, 0)
             cache = self._cache_for(slot, num_kv_heads, length, key.device)
-            step = self.write_chunk or max(length - stored, 1)
-            for start in range(stored, length, step):  # only tokens the cache has not seen yet, as in a paged cache
-                new = slice(start, min(start + step, length))
-                ref.store_kv(key[b, :, new].transpose(0, 1).float(), value[b, :, new].transpose(0, 1).float(),
-                             cache, torch.arange(new.start, new.stop, device=key.device), self.scheme)
+            # only tokens the cache has not seen yet, as in a paged cache
+            bounds = [stored, length] if self.prefill_tokens is None else \
+                sorted({stored, length, *range(max(stored, self.prefill_tokens), length)})
+            for start, stop in zip(bounds, bounds[1:]):
+                ref.store_kv(key[b, :, start:stop].transpose(0, 1).float(),
+                             value[b, :, start:stop].transpose(0, 1).float(),
+                             cache, torch.arange(start, stop, device=key.device), self.scheme)
             self.lengths[slot] = max(stored, length)
             k, v = ref.dequantize_sequence(cache, torch.arange(cache.shape[0], device=key.device), length, self.scheme)
             keys.append(k.transpose(0, 1))
@@ -103,38 +106,44 @@ class RotatedPerTokenInt4:
         return self._round_trip(key), self._round_trip(value)
 
 
-# name (as in bench_matrix.FORMATS) -> a fresh transform for one batch of sequences
-TORCH_FORMATS: dict[str, Callable[[], KVTransform]] = {
-    "bf16_fa3": lambda: round_to(torch.bfloat16),
-    "fp8_fa3": lambda: fp8_e4m3,
-    "vllm_int4": RotatedPerTokenInt4,
-    "s4kv_kivi": lambda: PagedInt4Cache(Int4Scheme("int4_kivi")),
-    "s4kv_saw": lambda: PagedInt4Cache(Int4Scheme("int4_saw")),
+# name (as in bench_matrix.FORMATS) -> a fresh transform for one batch of sequences, given how many tokens of a
+# sequence its first write holds (PagedInt4Cache; the other formats keep no state between tokens)
+TransformFactory = Callable[..., KVTransform]
+TORCH_FORMATS: dict[str, TransformFactory] = {
+    "bf16_fa3": lambda prefill_tokens=None: round_to(torch.bfloat16),
+    "fp8_fa3": lambda prefill_tokens=None: fp8_e4m3,
+    "vllm_int4": lambda prefill_tokens=None: RotatedPerTokenInt4(),
+    "s4kv_kivi": lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme("int4_kivi"), prefill_tokens),
+    "s4kv_saw": lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme("int4_saw"), prefill_tokens),
 }
 
 
 @torch.no_grad()
-def teacher_forced(model, windows: list[list[int]], make_transform: Callable[[], KVTransform], top_k: int,
-                   batch_size: int = 8, keep_full: bool = False) -> tuple[TeacherForced, np.ndarray | None]:
-    """Top-k and target log-probs at every position after the first; with ``keep_full`` also [S, N, V]."""
+def teacher_forced(model, windows: list[list[int]], make_transform: TransformFactory, top_k: int,
+                   batch_size: int = 8, keep_full: bool = False, prefill: int = 1,
+                   ) -> tuple[TeacherForced, np.ndarray | None]:
+    """Top-k and target log-probs of tokens ``prefill + 1`` onward (Regime.scored), the first ``prefill`` tokens of
+    each window stored as one prefill and the rest one token per write; with ``keep_full`` also [S, N, V].
+
+    One forward pass reads every position's context back from the stored format, as a decode step does."""
     top_ids, top_lp, target_lp, full = [], [], [], []
     for start in range(0, len(windows), batch_size):
         ids = torch.tensor(windows[start:start + batch_size], device=model.device)
-        with kv_transform(model, make_transform()):
-            logprobs = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[:, :-1]
+        with kv_transform(model, make_transform(prefill)):
+            logprobs = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[:, prefill:-1]
         top = logprobs.topk(top_k, dim=-1)
         top_ids.append(top.indices.cpu().numpy())
         top_lp.append(top.values.cpu().numpy())
-        target_lp.append(logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1).cpu().numpy())
+        target_lp.append(logprobs.gather(-1, ids[:, prefill + 1:, None]).squeeze(-1).cpu().numpy())
         if keep_full:
             full.append(logprobs.cpu().numpy())
     record = TeacherForced(np.concatenate(top_ids), np.concatenate(top_lp), np.concatenate(target_lp),
-                           np.array(windows)[:, 1:])
+                           np.array(windows)[:, prefill + 1:])
     return record, (np.concatenate(full) if keep_full else None)
 
 
 @torch.no_grad()
-def greedy(model, prompts: list[list[int]], generate: int, make_transform: Callable[[], KVTransform],
+def greedy(model, prompts: list[list[int]], generate: int, make_transform: TransformFactory,
            batch_size: int = 8) -> Greedy:
     """Greedy continuation of equal-length prompts, ``generate`` tokens each, through a KV cache."""
     from transformers import DynamicCache
@@ -159,11 +168,12 @@ def load_model(path: str, device: str = "cpu"):
     return model.to(device).eval()
 
 
-def run_format(model, inputs: list[RegimeInputs], make_transform: Callable[[], KVTransform], top_k: int,
+def run_format(model, inputs: list[RegimeInputs], make_transform: TransformFactory, top_k: int,
                batch_size: int = 8) -> dict[str, tuple[TeacherForced, Greedy]]:
     """Teacher-forced and greedy records of one format for every regime."""
     return {
-        i.regime.name: (teacher_forced(model, i.windows, make_transform, top_k, batch_size)[0],
+        i.regime.name: (teacher_forced(model, i.windows, make_transform, top_k, batch_size,
+                                       prefill=i.regime.prefill)[0],
                         greedy(model, i.prompts, i.regime.generate, make_transform, batch_size))
         for i in inputs
     }

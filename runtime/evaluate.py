@@ -48,30 +48,35 @@ def add_arguments(parser) -> None:
     # vLLM engine
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (starts faster)")
-    parser.add_argument("--prefill-chunk", type=int, default=1, metavar="TOKENS",
-                        help="prefill each sequence at most TOKENS tokens per engine step (chunked prefill). The "
-                             "default 1 runs every teacher-forced position as a decode step: its whole context, its "
-                             "own token included, is read back from the KV cache in every format (S4 KV attends to a "
-                             "prefill chunk's own tokens in bf16, so larger chunks mix bf16 into its numbers); 0: "
-                             "vLLM's default chunking, as served, where a window is one chunk and S4 KV's "
-                             "teacher-forced numbers equal bf16's")
+    parser.add_argument("--prefill-share", type=float, default=0.0, metavar="FRACTION",
+                        help="teacher forcing: prefill this share of each window as one prompt (as a served "
+                             "request's prompt), then force the rest one decode step at a time and score those "
+                             "steps. 0 (default): only the first token is prefilled, every position is a decode step "
+                             "that reads its whole context from the KV cache (int4_kivi's blocks then all close over "
+                             "several steps); 0.5: half of each window is a prompt whose int4_kivi blocks close per "
+                             "channel, as they do for a served prompt")
     # torch engine
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=8)
 
 
 def regimes_from(args, max_len: int) -> list[Regime]:
+    if not 0 <= args.prefill_share < 1:
+        raise ValueError(f"--prefill-share must be in [0, 1), got {args.prefill_share}")
     long_len = args.long_len or max_len
     if long_len > max_len:
         raise ValueError(f"--long-len {long_len} exceeds the model's max_position_embeddings {max_len}")
     if args.long_generate >= long_len:
         raise ValueError(f"--long-generate {args.long_generate} leaves no prompt in a {long_len}-token context")
+    def prefill(window_len: int) -> int:
+        return max(1, min(window_len - 2, int(args.prefill_share * window_len)))
+
     regimes = [
         Regime("short", args.short_windows, args.short_len, args.short_prompts, args.short_prompt_len,
-               args.short_generate),
+               args.short_generate, prefill(args.short_len)),
         # vLLM samples one token after a scored prompt, so a teacher-forced window leaves room for it
         Regime("long", args.long_windows, long_len - 1, args.long_prompts, long_len - args.long_generate,
-               args.long_generate),
+               args.long_generate, prefill(long_len - 1)),
     ]
     for r in regimes:
         if r.window_len + 1 > max_len or r.prompt_len + r.generate > max_len:
@@ -91,27 +96,14 @@ def parse_formats(text: str) -> list[str]:
 Records = dict[str, tuple[TeacherForced, Greedy]]
 
 
-EVAL_MAX_SEQS = 64  # sequences that advance together (the default regimes score 64 or 16 windows)
-
-
-def prefill_chunking(tokens: int) -> dict:
-    """Engine kwargs that prefill each sequence at most ``tokens`` per step (vLLM's long_prefill_token_threshold
-    caps running and waiting requests alike), with a step budget that lets EVAL_MAX_SEQS sequences advance
-    together."""
-    if tokens <= 0:
-        return {}
-    return {"enable_chunked_prefill": True, "long_prefill_token_threshold": tokens,
-            "max_num_batched_tokens": tokens * EVAL_MAX_SEQS, "max_num_seqs": EVAL_MAX_SEQS}
-
-
 def vllm_records(args, model: str, fmt: str, inputs: list[RegimeInputs], max_len: int, workdir: Path) -> Records:
     """Run one format in its own vLLM process and read its records back."""
     spec = {
         "model": model, "format": fmt, "top_k": args.top_k, "out": str(workdir / f"{fmt}.npz"),
         "engine": {"max_model_len": max_len, "gpu_memory_utilization": args.gpu_memory_utilization,
-                   "enforce_eager": args.enforce_eager, **prefill_chunking(args.prefill_chunk)},
-        "regimes": [{"name": i.regime.name, "windows": i.windows, "prompts": i.prompts, "generate": i.regime.generate}
-                    for i in inputs],
+                   "enforce_eager": args.enforce_eager},
+        "regimes": [{"name": i.regime.name, "windows": i.windows, "prompts": i.prompts, "generate": i.regime.generate,
+                     "prefill": i.regime.prefill} for i in inputs],
     }
     spec_path = workdir / f"{fmt}.json"
     spec_path.write_text(json.dumps(spec))
@@ -124,7 +116,8 @@ def vllm_records(args, model: str, fmt: str, inputs: list[RegimeInputs], max_len
         raise RuntimeError(f"vLLM run of {fmt} failed (exit {done.returncode}); end of {log_path}:\n{tail}")
     data = np.load(spec["out"])
     return {i.regime.name: (TeacherForced(data[f"{i.regime.name}_top_ids"], data[f"{i.regime.name}_top_logprobs"],
-                                          data[f"{i.regime.name}_target_logprobs"], np.array(i.windows)[:, 1:]),
+                                          data[f"{i.regime.name}_target_logprobs"],
+                                          np.array(i.windows)[:, i.regime.scored]),
                             Greedy(data[f"{i.regime.name}_greedy"])) for i in inputs}
 
 

@@ -23,18 +23,26 @@ from s4kv.runtime.eval_torch import TORCH_FORMATS, PagedInt4Cache, load_model, t
 from s4kv.runtime.quality import compare_teacher_forced
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def whole_window(scheme: Int4Scheme):
+    """A factory whose cache stores each window in one write (every block closes as a prefill closes it), whatever
+    the teacher-forcing prefill: this tool reads every position's context back from the stored format."""
+    return lambda prefill_tokens=None: PagedInt4Cache(scheme)
+
+
 # label -> transform factory; the first is the reference
 VARIANTS = {
     "bf16": TORCH_FORMATS["bf16_fa3"],
     "fp8 e4m3": TORCH_FORMATS["fp8_fa3"],
     "vLLM int4_per_token_head (emulated)": TORCH_FORMATS["vllm_int4"],
-    "int4_kivi": TORCH_FORMATS["s4kv_kivi"],
+    "int4_kivi": whole_window(Int4Scheme("int4_kivi")),
     "int4_kivi, written one token per step (every block closed by decode)":
-        lambda: PagedInt4Cache(Int4Scheme("int4_kivi"), write_chunk=1),
-    "int4_saw (default: hadamard_block 128)": TORCH_FORMATS["s4kv_saw"],
-    "int4_saw rotate_values": lambda: PagedInt4Cache(Int4Scheme("int4_saw", 128, rotate_values=True)),
-    "int4_saw hadamard_block 64, rotate_values": lambda: PagedInt4Cache(Int4Scheme("int4_saw", 64, True)),
-    "int4_saw hadamard_block 32": lambda: PagedInt4Cache(Int4Scheme("int4_saw", 32)),
+        lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme("int4_kivi"), prefill_tokens=1),
+    "int4_saw (default: hadamard_block 128)": whole_window(Int4Scheme("int4_saw")),
+    "int4_saw rotate_values": whole_window(Int4Scheme("int4_saw", 128, rotate_values=True)),
+    "int4_saw hadamard_block 64, rotate_values": whole_window(Int4Scheme("int4_saw", 64, True)),
+    "int4_saw hadamard_block 32": whole_window(Int4Scheme("int4_saw", 32)),
 }
 
 

@@ -42,7 +42,8 @@ def forgotten_minimum(layer_idx, key, value):
     return _forget_minimum(key), _forget_minimum(value)
 
 
-BROKEN = {"swapped_nibbles": lambda: swapped_nibbles, "forgotten_minimum": lambda: forgotten_minimum}
+BROKEN = {"swapped_nibbles": lambda prefill_tokens=None: swapped_nibbles,
+          "forgotten_minimum": lambda prefill_tokens=None: forgotten_minimum}
 
 
 def evaluate_formats(model_dir, formats):
@@ -108,13 +109,14 @@ def test_paged_cache_decode_matches_a_fresh_prefill(tiny_model):
     model = load_model(str(tiny_model))
     prompt = build_inputs(AutoTokenizer.from_pretrained(tiny_model), heldout_texts(), REGIMES)[0].prompts[:1]
     generated = greedy(model, prompt, 6, TORCH_FORMATS["s4kv_saw"]).tokens[0].tolist()
-    record, _ = teacher_forced(model, [prompt[0] + generated], TORCH_FORMATS["s4kv_saw"], 1)
-    assert record.top_ids[0, len(prompt[0]) - 1:, 0].tolist() == generated
+    # the prompt but its last token prefilled: the scored positions predict exactly the generated tokens
+    record, _ = teacher_forced(model, [prompt[0] + generated], TORCH_FORMATS["s4kv_saw"], 1, prefill=len(prompt[0]) - 1)
+    assert record.top_ids[0, :, 0].tolist() == generated
 
 
 @pytest.mark.parametrize("scheme_name", ["int4_kivi", "int4_saw"])
 def test_token_by_token_writes_keep_kivi_blocks_staged(scheme_name):
-    """write_chunk=1 stores as decode steps do: a KIVI block then closes keeping its staged keys (SAW's format, so
+    """prefill_tokens=1 stores as decode steps do: a KIVI block then closes keeping its staged keys (SAW's format, so
     both schemes read back the same keys), where one write of the whole block closes it per channel."""
     from s4kv.kernels.scheme import Int4Scheme
     from s4kv.runtime.eval_torch import PagedInt4Cache
@@ -122,7 +124,7 @@ def test_token_by_token_writes_keep_kivi_blocks_staged(scheme_name):
     gen = torch.Generator().manual_seed(7)
     key, value = (torch.randn(1, 2, 300, 128, generator=gen) for _ in range(2))  # 2 closed blocks + an open one
     at_once = PagedInt4Cache(Int4Scheme(scheme_name))(0, key, value)
-    by_token = PagedInt4Cache(Int4Scheme(scheme_name), write_chunk=1)(0, key, value)
+    by_token = PagedInt4Cache(Int4Scheme(scheme_name), prefill_tokens=1)(0, key, value)
     torch.testing.assert_close(by_token[1], at_once[1], rtol=0, atol=0)  # values are per token in both schemes
     torch.testing.assert_close(by_token[0][:, :, 256:], at_once[0][:, :, 256:], rtol=0, atol=0)  # the open block
     staged = PagedInt4Cache(Int4Scheme("int4_saw", 128))(0, key, value)[0]  # kivi stages keys exactly so

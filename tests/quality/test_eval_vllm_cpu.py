@@ -1,9 +1,11 @@
-"""The vLLM path of `s4kv eval` (worker process, prompt_logprobs parsing, greedy) on vLLM's CPU engine.
+"""The vLLM path of `s4kv eval` (worker process, forced decode steps, log-prob parsing, greedy) on vLLM's CPU
+engine.
 
 The same token ids go through vLLM (bf16 weights and KV) and through the torch engine (float32, K/V rounded
-to bf16): teacher-forced records must agree up to bf16 arithmetic, which checks that the worker reads vLLM's
-prompt log-probs at the right positions and in rank order, also when `--prefill-chunk` splits every window
-into engine steps of 16 tokens or of one token per sequence (the default). About 30 s per CPU engine start.
+to bf16): teacher-forced records must agree up to bf16 arithmetic, which checks that the logits processor forces
+every window token (the worker checks that the generated ids are the window's) and that the worker reads the
+log-probs at the right positions and in rank order, with one prefilled token (the default) and with half of each
+window prefilled. About 30 s per CPU engine start.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from quality_helpers import heldout_texts
 
 from s4kv.runtime.eval_data import Regime, build_inputs
 from s4kv.runtime.eval_torch import TORCH_FORMATS, load_model, run_format
-from s4kv.runtime.evaluate import compare, prefill_chunking, vllm_records
+from s4kv.runtime.evaluate import compare, vllm_records
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,26 +27,19 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("prefill_chunk", [0, 16, 1], ids=["one-chunk", "16-token-chunks", "token-by-token"])
+@pytest.mark.parametrize("prefill", [1, 32], ids=["all-decode", "half-prefilled"])
 @pytest.mark.parametrize("tiny_model", ["qwen2"], indirect=True)  # the worker is model-agnostic; one model is enough
-def test_vllm_records_match_the_torch_engine(tiny_model, tmp_path, prefill_chunk):
+def test_vllm_records_match_the_torch_engine(tiny_model, tmp_path, prefill):
     from transformers import AutoTokenizer
 
-    regimes = [Regime("short", 3, 64, 2, 16, 6)]
+    regimes = [Regime("short", 3, 64, 2, 16, 6, prefill)]
     inputs = build_inputs(AutoTokenizer.from_pretrained(tiny_model), heldout_texts(), regimes)
-    args = argparse.Namespace(top_k=5, gpu_memory_utilization=0.5, enforce_eager=True, prefill_chunk=prefill_chunk)
+    args = argparse.Namespace(top_k=5, gpu_memory_utilization=0.5, enforce_eager=True)
     from_vllm = vllm_records(args, str(tiny_model), "bf16_fa3", inputs, 512, tmp_path)
     from_torch = run_format(load_model(str(tiny_model)), inputs, TORCH_FORMATS["bf16_fa3"], top_k=5)
     vllm_tf, torch_tf = from_vllm["short"][0], from_torch["short"][0]
-    assert vllm_tf.top_ids.shape == (3, 63, 5) and from_vllm["short"][1].tokens.shape == (2, 6)
+    assert vllm_tf.top_ids.shape == (3, 64 - prefill - 1, 5) and from_vllm["short"][1].tokens.shape == (2, 6)
     assert np.all(np.diff(vllm_tf.top_logprobs, axis=-1) <= 0)  # best first
     np.testing.assert_allclose(vllm_tf.target_logprobs, torch_tf.target_logprobs, atol=0.15)
     metrics = compare(from_torch, from_vllm)["short"]
     assert metrics["top1_agreement"] > 0.9 and metrics["mean_kl"] < 0.01, metrics
-
-
-def test_prefill_chunk_caps_each_sequence_and_lets_them_advance_together():
-    assert prefill_chunking(0) == {}
-    assert prefill_chunking(1) == {"enable_chunked_prefill": True, "long_prefill_token_threshold": 1,
-                                   "max_num_batched_tokens": 64, "max_num_seqs": 64}
-    assert prefill_chunking(64)["max_num_batched_tokens"] == 64 * 64

@@ -21,7 +21,9 @@ def test_eval_writes_json_plot_and_table(tiny_model, tmp_path, capsys):
     assert list(result["formats"]) == ["bf16_fa3", "s4kv_saw", "fp8_fa3"]  # the reference always runs first
     assert result["regimes"]["long"]["prompt_len"] == 160 - 6
     for regime, windows, length in (("short", 2, 48), ("long", 1, 159)):  # long windows leave one token to sample
-        assert result["formats"]["bf16_fa3"][regime]["positions"] == windows * (length - 1)
+        # one token prefilled; the first forced token comes from that prefill, every later one is scored
+        assert result["regimes"][regime]["prefill"] == 1
+        assert result["formats"]["bf16_fa3"][regime]["positions"] == windows * (length - 2)
         assert result["formats"]["bf16_fa3"][regime]["mean_kl"] == 0.0
         assert len(result["formats"]["s4kv_saw"][regime]["first_divergence"]) == result["regimes"][regime]["prompts"]
     assert result["command"].startswith("s4kv ")
@@ -30,11 +32,20 @@ def test_eval_writes_json_plot_and_table(tiny_model, tmp_path, capsys):
     assert "| s4kv int4_saw (torch ref) |" in table and "long context" in table
 
 
+def test_prefill_share_prefills_that_share_of_each_window(tiny_model, tmp_path):
+    assert main(["eval", str(tiny_model), "--engine", "torch", "--formats", "s4kv_kivi", "--prefill-share", "0.5",
+                 "--out-dir", str(tmp_path), *SMALL]) == 0
+    result = json.loads((tmp_path / f"{tiny_model.name}-torch.json").read_text())
+    assert (result["regimes"]["short"]["prefill"], result["regimes"]["long"]["prefill"]) == (24, 79)
+    assert result["formats"]["s4kv_kivi"]["short"]["positions"] == 2 * (48 - 24 - 1)
+
+
 @pytest.mark.parametrize("bad, message", [
     (["--formats", "int3"], "unknown KV format"),
     (["--long-len", "4096"], "exceeds the model's max_position_embeddings"),
     (["--long-len", "100", "--long-generate", "100"], "leaves no prompt"),
     (["--short-len", "512"], "short regime: windows of 512 tokens"),
+    (["--prefill-share", "1"], "--prefill-share must be in"),
 ])
 def test_bad_arguments_fail_with_a_clear_message(tiny_model, tmp_path, bad, message):
     with pytest.raises(ValueError, match=message):
@@ -44,7 +55,7 @@ def test_bad_arguments_fail_with_a_clear_message(tiny_model, tmp_path, bad, mess
 def test_a_failing_format_is_reported_and_the_others_still_measured(tiny_model, tmp_path, monkeypatch, capsys):
     from s4kv.runtime import eval_torch
 
-    def engine_that_will_not_start():
+    def engine_that_will_not_start(prefill_tokens=None):
         raise RuntimeError("vLLM run of fp8_fa3 failed (exit 1)\nValueError: no fp8 here")
 
     monkeypatch.setitem(eval_torch.TORCH_FORMATS, "fp8_fa3", engine_that_will_not_start)
@@ -59,7 +70,7 @@ def test_a_failing_format_is_reported_and_the_others_still_measured(tiny_model, 
 def test_a_run_cut_short_keeps_the_formats_it_measured(tiny_model, tmp_path, monkeypatch):
     from s4kv.runtime import eval_report, eval_torch
 
-    def cut_here():  # what a device call's time limit does to the run
+    def cut_here(prefill_tokens=None):  # what a device call's time limit does to the run
         raise KeyboardInterrupt
 
     monkeypatch.setitem(eval_torch.TORCH_FORMATS, "fp8_fa3", cut_here)
