@@ -4,7 +4,7 @@
 optional for its values, and for the staged keys of an open int4_kivi block); for int4_kivi a third launch then
 closes every block whose last slot was written in this batch: per channel from the original keys if the batch
 holds all of them, else by flagging its staged keys (reference.py). Launches follow each other on
-one stream, so the close sees the staged keys. Grids depend only on the number of tokens and KV heads.
+one stream, so the close sees this batch's staged params. Grids depend only on the number of tokens and KV heads.
 """
 
 from __future__ import annotations
