@@ -126,6 +126,7 @@ def teacher_forced(model, windows: list[list[int]], make_transform: TransformFac
     each window stored as one prefill and the rest one token per write; with ``keep_full`` also [S, N, V].
 
     One forward pass reads every position's context back from the stored format, as a decode step does."""
+    scored = slice(prefill + 1, None)  # the tokens; position p's logits predict token p + 1
     top_ids, top_lp, target_lp, full = [], [], [], []
     for start in range(0, len(windows), batch_size):
         ids = torch.tensor(windows[start:start + batch_size], device=model.device)
@@ -134,11 +135,11 @@ def teacher_forced(model, windows: list[list[int]], make_transform: TransformFac
         top = logprobs.topk(top_k, dim=-1)
         top_ids.append(top.indices.cpu().numpy())
         top_lp.append(top.values.cpu().numpy())
-        target_lp.append(logprobs.gather(-1, ids[:, prefill + 1:, None]).squeeze(-1).cpu().numpy())
+        target_lp.append(logprobs.gather(-1, ids[:, scored, None]).squeeze(-1).cpu().numpy())
         if keep_full:
             full.append(logprobs.cpu().numpy())
     record = TeacherForced(np.concatenate(top_ids), np.concatenate(top_lp), np.concatenate(target_lp),
-                           np.array(windows)[:, prefill + 1:])
+                           np.array(windows)[:, scored])
     return record, (np.concatenate(full) if keep_full else None)
 
 

@@ -68,6 +68,7 @@ def regimes_from(args, max_len: int) -> list[Regime]:
         raise ValueError(f"--long-len {long_len} exceeds the model's max_position_embeddings {max_len}")
     if args.long_generate >= long_len:
         raise ValueError(f"--long-generate {args.long_generate} leaves no prompt in a {long_len}-token context")
+
     def prefill(window_len: int) -> int:
         return max(1, min(window_len - 2, int(args.prefill_share * window_len)))
 

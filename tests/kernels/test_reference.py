@@ -5,7 +5,6 @@ CPU only, a few seconds in all.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from attention_oracle import causal_attention
