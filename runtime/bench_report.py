@@ -3,15 +3,19 @@
 A results document is ``{"meta": {...}, "runs": [run, ...]}``; a run is one engine process (or the replicas of a
 data-parallel run): ``{"format", "model", "engine": EngineSettings.as_dict(), "workloads": [names],
 "status": "ok" | "failed" | "skipped", "kv_cache_tokens", "startup_s", "results": {workload: {"wall_s",
-"output_tok_s", ...}}, "error"}``. Runs from several device calls are concatenated; for each (format, workload,
-parallel layout, model) the last ok run counts. Rows of one GPU keep their plain keys ("short",
-"kv:gmu0.90-seqs256"); a parallel layout adds "@tp2" / "-tp2", and a document with several models adds ":model".
+"output_tok_s", ...}}, "error", "call"}``. Runs from several device calls are concatenated, each tagged with its
+call (the date of the document it came from). A cell with several ok runs shows the median value and the median of
+each run's ratio to the baseline measured in the same call: speed differs from one machine to the next by more than
+the differences measured here, so a ratio is only taken across calls when the call has no baseline run (marked).
+Rows of one GPU keep their plain keys ("short", "kv:gmu0.90-seqs256"); a parallel layout adds "@tp2" / "-tp2", and a
+document with several models adds ":model".
 """
 
 from __future__ import annotations
 
 import json
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ KV_CACHE_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 THROUGHPUT_TARGET = 1.0
 WALL_TARGET = 1.0
 CAPACITY_TARGET = 3.7
+OTHER_CALL_MARK = " †"
 
 
 def parse_kv_cache_tokens(log: str) -> int | None:
@@ -44,12 +49,20 @@ def merge(documents: list[dict[str, Any]]) -> dict[str, Any]:
     """One document from several calls: runs in call order, meta from the first that has a GPU name."""
     meta: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
-    for doc in documents:
+    dates = []
+    for index, doc in enumerate(documents):
         if "runs" not in doc:
             raise ValueError("not an s4kv bench results document (no 'runs')")
         if not meta.get("gpu") and doc.get("meta", {}).get("gpu"):
             meta = dict(doc["meta"])
-        runs.extend(doc["runs"])
+        date = doc.get("meta", {}).get("date")
+        dates += [date] if date else []
+        # one document is one `s4kv bench` run (two started together on two GPUs share a date: the index
+        # tells them apart); a run merged before keeps the call it came from
+        call = f"{date or 'undated'} #{index + 1}"
+        runs.extend({**run, "call": run.get("call") or call} for run in doc["runs"])
+    if len(documents) > 1 and dates:  # the table's heading names the span of the calls, not the first one's date
+        meta = {**meta, "date": f"{min(dates)} to {max(dates)} ({len(documents)} calls)"}
     return {"meta": meta, "runs": runs}
 
 
@@ -64,12 +77,17 @@ class Cell:
     value: float | None
     ratio: float | None = None
     note: str = "not run"
+    runs: int = 1  # ok runs behind the medians
+    other_call: bool = False  # some run's ratio is against a baseline from another call
 
     def render(self, unit: str) -> str:
         if self.value is None:
             return self.note
         text = f"{self.value:,.1f} s" if unit == "s" else f"{self.value:,.0f}"
-        return text if self.ratio is None else f"{text} ({self.ratio:.2f}x)"
+        if self.ratio is None:
+            return text
+        details = [f"{self.ratio:.2f}x"] + ([f"median of {self.runs}"] if self.runs > 1 else [])
+        return f"{text} ({', '.join(details)}){OTHER_CALL_MARK if self.other_call else ''}"
 
 
 @dataclass(frozen=True)
@@ -80,32 +98,33 @@ class Row:
     cells: dict[str, Cell]
 
 
-def _latest_ok(runs: list[dict[str, Any]], fmt: str, accept) -> dict[str, Any] | None:
-    found = None
-    for run in runs:
-        if run["format"] == fmt and run["status"] == "ok" and accept(run):
-            found = run
-    return found
-
-
 def _failure_note(runs: list[dict[str, Any]], fmt: str, accept) -> str:
     statuses = [run["status"] for run in runs if run["format"] == fmt and accept(run)]
     return statuses[-1] if statuses else "not run"
 
 
 def _cells(runs, formats, accept, value_of) -> dict[str, Cell]:
-    values = {}
-    for fmt in formats:
-        run = _latest_ok(runs, fmt, accept)
-        values[fmt] = value_of(run) if run else None
-    base = values.get(BASELINE)
+    ok = {fmt: [run for run in runs if run["format"] == fmt and run["status"] == "ok" and accept(run)]
+          for fmt in set(formats) | {BASELINE}}
+    baseline_by_call: dict[Any, list[float]] = {}
+    for run in ok[BASELINE]:
+        baseline_by_call.setdefault(run.get("call"), []).append(value_of(run))
+    any_baseline = [v for values in baseline_by_call.values() for v in values]
     cells = {}
     for fmt in formats:
-        value = values[fmt]
-        if value is None:
+        if not ok[fmt]:
             cells[fmt] = Cell(None, note=_failure_note(runs, fmt, accept))
-        else:
-            cells[fmt] = Cell(value, value / base if base else None)
+            continue
+        ratios, other_call = [], False
+        for run in ok[fmt]:
+            same_call = baseline_by_call.get(run.get("call"))
+            if same_call:
+                ratios.append(value_of(run) / statistics.median(same_call))
+            elif any_baseline:
+                ratios.append(value_of(run) / statistics.median(any_baseline))
+                other_call = True
+        cells[fmt] = Cell(statistics.median(value_of(run) for run in ok[fmt]),
+                          statistics.median(ratios) if ratios else None, runs=len(ok[fmt]), other_call=other_call)
     return cells
 
 
@@ -172,7 +191,11 @@ def render_markdown(rows: list[Row]) -> str:
     for row in rows:
         lines.append(f"| {row.title} | " + " | ".join(row.cells[f].render(row.unit) for f in formats) + " |")
     lines.append("")
-    lines.append(f"(ratio) = value / {FORMATS[BASELINE].label}; higher is better except wall s (lower is better).")
+    lines.append(f"(ratio) = value / {FORMATS[BASELINE].label} of the same call; higher is better except wall s (lower is "
+                 "better). With several runs: the median value and the median of the runs' ratios.")
+    if any(cell.other_call for row in rows for cell in row.cells.values()):
+        lines.append(f"{OTHER_CALL_MARK.strip()} the call of (some of) these runs had no {FORMATS[BASELINE].label} run: "
+                     "ratio against the median of the other calls'.")
     return "\n".join(lines) + "\n"
 
 

@@ -58,6 +58,34 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# issue 5's target: each S4 KV scheme at least as good as vLLM's int4 on every metric (True: higher is better)
+TARGET_METRICS = [("top1_agreement", "top-1", "{:.2%}", True), ("perplexity_delta_pct", "ppl delta", "{:+.2f}%", False),
+                  ("mean_kl", "KL", "{:.2e}", False), ("exact_match", "greedy exact", "{:.0%}", True)]
+TARGET_SCHEMES = ("s4kv_kivi", "s4kv_saw")
+TARGET_REFERENCE = "vllm_int4"
+
+
+def target_check(result: dict) -> list[str]:
+    """One line per (scheme, regime): each metric against vLLM's int4 in the same run, 'ok' or 'MISSED'."""
+    formats = result["formats"]
+    if TARGET_REFERENCE not in formats:
+        return []
+    lines = []
+    for scheme in (s for s in TARGET_SCHEMES if s in formats):
+        for regime in result["regimes"]:
+            ours, theirs = formats[scheme][regime], formats[TARGET_REFERENCE][regime]
+            verdicts = []
+            for key, title, fmt, higher_is_better in TARGET_METRICS:
+                if ours.get(key) is None or theirs.get(key) is None:
+                    continue
+                ok = ours[key] >= theirs[key] if higher_is_better else ours[key] <= theirs[key]
+                ratio = f" ({ours[key] / theirs[key]:.2f}x)" if key == "mean_kl" and theirs[key] else ""
+                verdicts.append(f"{title} {fmt.format(ours[key])} vs {fmt.format(theirs[key])}{ratio}: "
+                                f"{'ok' if ok else 'MISSED'}")
+            lines.append(f"{scheme} {regime} vs {label(TARGET_REFERENCE, result['engine'])}: " + "; ".join(verdicts))
+    return lines
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -91,6 +119,7 @@ def main(argv: list[str]) -> None:
         result = json.loads(Path(path).read_text())
         print(f"Command: `{result['command']}` ({result['engine']} engine, top-{result['top_k']} log-probs)\n")
         print(markdown_table(result))
+        print("\n".join(target_check(result)) + "\n")
 
 
 if __name__ == "__main__":

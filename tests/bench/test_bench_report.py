@@ -92,17 +92,55 @@ def test_failed_and_missing_cells_say_so():
     assert short.cells["bf16_fa3"].render("tok/s") == "7,378 (1.00x)"
 
 
-def test_merge_keeps_call_order_and_latest_ok_run_counts():
+def test_merge_takes_medians_and_ratios_within_each_call():
     first = issue_doc()
+    first["meta"]["date"] = "call 1"
     faster = random.uniform(8000, 9000)
-    second = {"meta": {}, "runs": [run_record("bf16_fa3", 2_043_840, {"short": {"output_tok_s": faster}})]}
-    third = {"meta": {}, "runs": [run_record("bf16_fa3", 0, {"short": {}}, status="failed")]}
+    int4 = random.uniform(4000, 5000)
+    second = {"meta": {"date": "call 2"},
+              "runs": [run_record("bf16_fa3", 2_043_840, {"short": {"output_tok_s": faster}}),
+                       run_record("vllm_int4", 7_694_464, {"short": {"output_tok_s": int4}})]}
+    third = {"meta": {"date": "call 3"}, "runs": [run_record("bf16_fa3", 0, {"short": {}}, status="failed")]}
     merged = bench_report.merge([first, second, third])
     assert merged["meta"]["gpu"] == "NVIDIA H200"
-    assert len(merged["runs"]) == len(first["runs"]) + 2
+    assert len(merged["runs"]) == len(first["runs"]) + 3
+    assert {run["call"] for run in merged["runs"]} == {"call 1 #1", "call 2 #2", "call 3 #3"}
+    assert merged["meta"]["date"] == "call 1 to call 3 (3 calls)"
     short = next(r for r in bench_report.build_table(merged) if r.key == "short")
-    assert short.cells["bf16_fa3"].value == pytest.approx(faster)  # the later failure does not erase it
-    assert short.cells["vllm_int4"].ratio == pytest.approx(4516 / faster)
+    # the later failure erases nothing; two ok runs each: the median value, the median of same-call ratios
+    assert short.cells["bf16_fa3"].value == pytest.approx((7378 + faster) / 2)
+    assert short.cells["bf16_fa3"].ratio == pytest.approx(1.0)
+    assert short.cells["vllm_int4"].value == pytest.approx((4516 + int4) / 2)
+    assert short.cells["vllm_int4"].ratio == pytest.approx((4516 / 7378 + int4 / faster) / 2)
+    assert short.cells["vllm_int4"].runs == 2 and not short.cells["vllm_int4"].other_call
+    cell = short.cells["vllm_int4"]
+    assert cell.render("tok/s") == f"{cell.value:,.0f} ({cell.ratio:.2f}x, median of 2)"
+    # merging the merged document again keeps each run's call
+    again = bench_report.merge([merged])
+    assert [run["call"] for run in again["runs"]] == [run["call"] for run in merged["runs"]]
+
+
+def test_two_calls_with_one_date_stay_apart():
+    """device_pair.sh starts two benches in the same second, one per GPU: each keeps its own baseline."""
+    gpus = [{"meta": {"date": "same second"},
+             "runs": [run_record("bf16_fa3", 1, {"short": {"output_tok_s": base}}),
+                      run_record("s4kv_saw", 1, {"short": {"output_tok_s": base * ratio}})]}
+            for base, ratio in ((7000.0, 1.02), (8000.0, 1.04))]
+    short = next(r for r in bench_report.build_table(bench_report.merge(gpus)) if r.key == "short")
+    assert short.cells["s4kv_saw"].ratio == pytest.approx(1.03)
+
+
+def test_a_run_without_a_same_call_baseline_is_marked():
+    doc = issue_doc()
+    doc["meta"]["date"] = "call 1"
+    lone = {"meta": {"date": "call 2"}, "runs": [run_record("s4kv_saw", 7_694_464, {"short": {"output_tok_s": 7600.0}})]}
+    rows = bench_report.build_table(bench_report.merge([doc, lone]))
+    cell = next(r for r in rows if r.key == "short").cells["s4kv_saw"]
+    assert cell.other_call and cell.ratio == pytest.approx(7600 / 7378)
+    assert cell.render("tok/s") == "7,600 (1.03x)" + bench_report.OTHER_CALL_MARK
+    assert "had no bf16 + FA3 run" in bench_report.render_markdown(rows)
+    # a single call's table carries no mark and no footnote
+    assert "had no" not in bench_report.render_markdown(bench_report.build_table(issue_doc()))
 
 
 def test_merge_rejects_other_json():

@@ -1,0 +1,43 @@
+"""The eval report's check of issue 5's target: each scheme against vLLM's int4 of the same run, metric by metric."""
+
+import random
+
+from s4kv.runtime import eval_report
+
+
+def metrics(top1: float, ppl_delta: float, kl: float, exact: float) -> dict:
+    return {"top1_agreement": top1, "perplexity_delta_pct": ppl_delta, "mean_kl": kl, "exact_match": exact}
+
+
+def result_with(kivi: dict, saw: dict | None = None) -> dict:
+    reference = metrics(0.88, 3.0, 2.5e-2, 0.10)
+    formats = {"bf16_fa3": {"short": metrics(1.0, 0.0, 0.0, 1.0)}, "vllm_int4": {"short": reference},
+               "s4kv_kivi": {"short": kivi}}
+    if saw is not None:
+        formats["s4kv_saw"] = {"short": saw}
+    return {"engine": "vllm", "regimes": {"short": {}}, "formats": formats}
+
+
+def test_each_metric_is_judged_in_its_own_direction():
+    better = metrics(0.89, 2.5, 2.0e-2, 0.20)
+    worse = metrics(0.87, 3.5, 3.0e-2, 0.05)
+    lines = eval_report.target_check(result_with(better, worse))
+    assert len(lines) == 2
+    kivi, saw = lines
+    assert kivi.startswith("s4kv_kivi short vs vLLM int4_per_token_head:")
+    assert "MISSED" not in kivi and kivi.count(": ok") == 4
+    assert saw.count("MISSED") == 4
+    assert "KL 3.00e-02 vs 2.50e-02 (1.20x): MISSED" in saw
+
+
+def test_a_tie_meets_the_target_and_one_worse_metric_is_named():
+    tie = metrics(0.88, 3.0, 2.5e-2, 0.10)
+    worse_kl = dict(tie, mean_kl=2.5e-2 * random.uniform(1.01, 1.5))
+    (line,) = eval_report.target_check(result_with(worse_kl))
+    assert line.count(": ok") == 3 and line.count("MISSED") == 1 and "KL" in line.split("MISSED")[0].split(";")[-1]
+
+
+def test_no_reference_in_the_run_means_no_verdict():
+    result = result_with(metrics(0.9, 1.0, 1e-2, 0.5))
+    del result["formats"]["vllm_int4"]
+    assert eval_report.target_check(result) == []
