@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 from . import bench_report, model_shapes
-from .bench_matrix import (ALL_WORKLOADS, FORMATS, MEASURED_START_MARGIN, WORKLOADS, EngineSettings, ModelScale,
-                           Workload, engine_groups, expected_engine_s, parse_names)
+from .bench_matrix import (ALL_WORKLOADS, FORMATS, MEASURED_START_MARGIN, STANDARD_FORMATS, WORKLOADS, EngineSettings,
+                           ModelScale, Workload, engine_groups, expected_engine_s, parse_names)
 from .bench_plot import render_svg
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "configs" / "qwen2.5-7b-instruct.json"
@@ -42,7 +42,8 @@ EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Interrupt)\b")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default="all",
-                        help=f"comma list of KV formats ({', '.join(FORMATS)}) or 'all'")
+                        help=f"comma list of KV formats ({', '.join(FORMATS)}) or 'all' "
+                             f"({', '.join(STANDARD_FORMATS)})")
     parser.add_argument("--in-order", action="store_true",
                         help="start the configurations in the order --configs lists them (most important first, so "
                              "a time budget skips the last), not in table order")
@@ -108,7 +109,7 @@ def with_layout(settings: EngineSettings, tp: int, dp: int) -> EngineSettings:
 def build_plan(args: argparse.Namespace) -> list[tuple[str, EngineSettings, list[str]]]:
     """(format, engine settings with the parallel layout, workload names) per engine, in the order they start:
     engine setting by engine setting, formats in table order or, with --in-order, as --configs lists them."""
-    formats = parse_names(args.configs, FORMATS, "configs", keep_order=args.in_order)
+    formats = parse_names(args.configs, FORMATS, "configs", all_names=list(STANDARD_FORMATS), keep_order=args.in_order)
     workloads = parse_names(args.workloads, ALL_WORKLOADS, "workloads", all_names=list(WORKLOADS))
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     return [(fmt, with_layout(settings, tp, dp), names) for settings, names in engine_groups(workloads)

@@ -46,8 +46,13 @@ FORMATS: dict[str, KVFormat] = {
                  {"s4kv": {"scheme": "int4_kivi"}}),
         KVFormat("s4kv_saw", "s4kv int4_saw", "int4_per_token_head", "CUSTOM",
                  {"s4kv": {"scheme": "int4_saw"}}),
+        # an option of int4_saw measured beside the defaults: values rotated like keys, as vLLM's int4 does
+        KVFormat("s4kv_saw_rotv", "s4kv int4_saw, rotated values", "int4_per_token_head", "CUSTOM",
+                 {"s4kv": {"scheme": "int4_saw", "rotate_values": True}}),
     )
 }
+# issues 4 and 5's formats: what `s4kv bench --configs all` and `s4kv eval` run unless told otherwise
+STANDARD_FORMATS = ("bf16_fa3", "fp8_fa3", "vllm_int4", "s4kv_kivi", "s4kv_saw")
 
 
 @dataclass(frozen=True)

@@ -191,11 +191,12 @@ def render_markdown(rows: list[Row]) -> str:
     for row in rows:
         lines.append(f"| {row.title} | " + " | ".join(row.cells[f].render(row.unit) for f in formats) + " |")
     lines.append("")
-    lines.append(f"(ratio) = value / {FORMATS[BASELINE].label} of the same call; higher is better except wall s (lower is "
-                 "better). With several runs: the median value and the median of the runs' ratios.")
+    baseline = FORMATS[BASELINE].label
+    lines.append(f"(ratio) = value / {baseline} of the same call; higher is better except wall s (lower is better). "
+                 "With several runs: the median value and the median of the runs' ratios.")
     if any(cell.other_call for row in rows for cell in row.cells.values()):
-        lines.append(f"{OTHER_CALL_MARK.strip()} the call of (some of) these runs had no {FORMATS[BASELINE].label} run: "
-                     "ratio against the median of the other calls'.")
+        lines.append(f"{OTHER_CALL_MARK.strip()} the call of (some of) these runs had no {baseline} run: ratio against "
+                     "the median of the other calls'.")
     return "\n".join(lines) + "\n"
 
 

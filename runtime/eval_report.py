@@ -18,7 +18,8 @@ COLUMNS = [
 ]
 # The torch engine runs torch references (and one emulation), not vLLM's backends: say so in its labels.
 TORCH_LABELS = {"bf16_fa3": "bf16 KV", "fp8_fa3": "fp8 e4m3 KV", "vllm_int4": "int4 per-token + RHT (emulated)",
-                "s4kv_kivi": "s4kv int4_kivi (torch ref)", "s4kv_saw": "s4kv int4_saw (torch ref)"}
+                "s4kv_kivi": "s4kv int4_kivi (torch ref)", "s4kv_saw": "s4kv int4_saw (torch ref)",
+                "s4kv_saw_rotv": "s4kv int4_saw, rotated values (torch ref)"}
 PLOTTED = [("top1_agreement", "top-1 agreement with bf16"), ("perplexity_delta_pct", "perplexity delta (%)"),
            ("mean_kl", "mean KL (nats)"), ("exact_match", "greedy exact match")]
 

@@ -115,6 +115,8 @@ TORCH_FORMATS: dict[str, TransformFactory] = {
     "vllm_int4": lambda prefill_tokens=None: RotatedPerTokenInt4(),
     "s4kv_kivi": lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme("int4_kivi"), prefill_tokens),
     "s4kv_saw": lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme("int4_saw"), prefill_tokens),
+    "s4kv_saw_rotv": lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme("int4_saw", rotate_values=True),
+                                                                prefill_tokens),
 }
 
 

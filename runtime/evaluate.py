@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_matrix import BASELINE, FORMATS
+from .bench_matrix import BASELINE, FORMATS, STANDARD_FORMATS
 from .eval_data import DEFAULT_HELDOUT, Regime, RegimeInputs, build_inputs, describe, load_heldout
 from .quality import Greedy, TeacherForced, compare_teacher_forced, greedy_match
 
@@ -31,7 +31,7 @@ ENGINES = ("vllm", "torch")
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="local model folder or hub id (config.json, tokenizer, safetensors)")
     parser.add_argument("--engine", choices=ENGINES, default="vllm")
-    parser.add_argument("--formats", default=",".join(FORMATS),
+    parser.add_argument("--formats", default=",".join(STANDARD_FORMATS),
                         help=f"comma-separated, from {', '.join(FORMATS)}; {BASELINE} is always run first")
     parser.add_argument("--heldout", default=str(DEFAULT_HELDOUT), help="held-out documents, JSON lines with 'text'")
     parser.add_argument("--out-dir", default="results/quality")

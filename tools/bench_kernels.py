@@ -2,7 +2,7 @@
 """Kernel benchmark (issue 2; the kernel-level evidence for issue 4), one H200 call, well under 6 minutes.
 
 Decode attention (one query token per sequence) with the Qwen2.5-7B attention shape (28 query heads,
-4 KV heads, head_dim 128, bf16 queries) at contexts 1k/4k/16k/32k and batches 1/32/256, for:
+4 KV heads, head_dim 128, bf16 queries) at contexts 1k/4k/16k/32k and batches 1/32/128/256, for:
   fa3_bf16   vLLM 0.26.0's FlashAttention-3 on a bf16 paged cache (block 16), as its FLASH_ATTN backend
              calls it under CUDA graphs (scheduler metadata, num_splits 32)
   vllm_int4  vLLM 0.26.0's int4_per_token_head path (block 16): unified_attention_int4, RHT of q/out included,
@@ -10,6 +10,8 @@ Decode attention (one query token per sequence) with the Qwen2.5-7B attention sh
   s4kv_kivi, s4kv_saw   s4kv.kernels.attention.paged_attention (block 128), its default launch
   s4kv_*_sub, s4kv_*_ptx, s4kv_*_sub_ptx   the same with the other code paths (attention.CODE_PATHS: codes as
              fp16 subnormal MMA operands, and/or unpacked by inline PTX)
+  s4kv_saw_rotv   int4_saw with its rotate_values option (values rotated like keys, as vLLM's int4 does), at the
+             committed decode launch
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
 
 Every cache is filled through its own store path from the same random K/V, pages are handed out in a
@@ -42,7 +44,7 @@ BYTES_PER_TOKEN_HEAD = {"int4": 136, "bf16": 2 * HEAD_DIM * 2}
 # code path (kernels.attention.CODE_PATHS) -> method-name suffix
 CODE_PATH_SUFFIX = {"biased": "", "subnormal": "_sub", "biased+ptx": "_ptx", "subnormal+ptx": "_sub_ptx"}
 METHODS = ("fa3_bf16", "vllm_int4") + tuple(f"s4kv_{scheme}{suffix}" for suffix in CODE_PATH_SUFFIX.values()
-                                             for scheme in ("kivi", "saw"))
+                                             for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv",)
 FORMAT_OF = {method: "bf16" if method == "fa3_bf16" else "int4" for method in METHODS}
 VLLM_BLOCK_SIZE = 16  # vLLM 0.26.0's default block size for FLASH_ATTN and TRITON_ATTN
 S4KV_BLOCK_SIZE = 128  # our backend forces 128 (a KIVI key group is one page)
@@ -239,22 +241,23 @@ def build_vllm_int4(problem: DecodeProblem, block_table: torch.Tensor, out: torc
         seq_threshold_3D=VLLM_SEQ_THRESHOLD_3D, num_par_softmax_segments=VLLM_SOFTMAX_SEGMENTS, **buffers)
 
 
-def build_s4kv(scheme_name: str, code_path: str, problem: DecodeProblem, block_table: torch.Tensor,
+def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, block_table: torch.Tensor,
                out: torch.Tensor):
-    """Our cache filled by our store kernel, read by our paged attention (default launch, with a code path)."""
+    """Our cache filled by our store kernel, read by our paged attention: the scheme's decode launch with one code
+    path, or with ``code_path`` None the launch paged_attention picks itself (DECODE_LAUNCH)."""
     from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, SplitWorkspace, paged_attention
     from s4kv.kernels.layout import cache_shape
     from s4kv.kernels.scheme import Int4Scheme
     from s4kv.kernels.store import store_kv
 
-    scheme = Int4Scheme.parse({"scheme": scheme_name})
+    scheme = Int4Scheme.parse(options)
     cache = torch.empty(cache_shape(block_table.numel(), NUM_KV_HEADS, S4KV_BLOCK_SIZE), dtype=torch.uint8,
                         device=problem.device)
     for key, value, slots in problem.chunks(block_table, S4KV_BLOCK_SIZE):
         store_kv(key, value, cache, slots, scheme)
     workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, problem.device)  # as our backend's builder does
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
-    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
+    launch = None if code_path is None else dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
     return lambda: paged_attention(problem.query, cache, block_table, seq_lens, cu_q, 1, HEAD_DIM ** -0.5, scheme,
                                    out, workspace=workspace, launch=launch)
 
@@ -263,8 +266,9 @@ def build_s4kv(scheme_name: str, code_path: str, problem: DecodeProblem, block_t
 DECODE_METHODS = {
     "fa3_bf16": (VLLM_BLOCK_SIZE, build_fa3),
     "vllm_int4": (VLLM_BLOCK_SIZE, build_vllm_int4),
-    **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, f"int4_{scheme}", code_path))
+    **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": f"int4_{scheme}"}, code_path))
        for code_path, suffix in CODE_PATH_SUFFIX.items() for scheme in ("kivi", "saw")},
+    "s4kv_saw_rotv": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": "int4_saw", "rotate_values": True}, None)),
 }
 
 
@@ -341,7 +345,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--contexts", default="1024,4096,16384,32768")
-    parser.add_argument("--batches", default="1,32,256")
+    parser.add_argument("--batches", default="1,32,128,256")
     parser.add_argument("--budget-s", type=float, default=300,
                         help="skip the remaining decode configs once this much time has passed")
     args = parser.parse_args()

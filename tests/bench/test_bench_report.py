@@ -133,7 +133,8 @@ def test_two_calls_with_one_date_stay_apart():
 def test_a_run_without_a_same_call_baseline_is_marked():
     doc = issue_doc()
     doc["meta"]["date"] = "call 1"
-    lone = {"meta": {"date": "call 2"}, "runs": [run_record("s4kv_saw", 7_694_464, {"short": {"output_tok_s": 7600.0}})]}
+    lone = {"meta": {"date": "call 2"},
+            "runs": [run_record("s4kv_saw", 7_694_464, {"short": {"output_tok_s": 7600.0}})]}
     rows = bench_report.build_table(bench_report.merge([doc, lone]))
     cell = next(r for r in rows if r.key == "short").cells["s4kv_saw"]
     assert cell.other_call and cell.ratio == pytest.approx(7600 / 7378)

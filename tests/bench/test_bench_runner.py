@@ -12,7 +12,7 @@ from bench_helpers import bench_args
 
 from s4kv.runtime import bench
 from s4kv.runtime.bench_engine import FIRST_SPECIAL_TOKEN, token_prompts
-from s4kv.runtime.bench_matrix import WORKLOADS, engine_groups, expected_engine_s, parse_names
+from s4kv.runtime.bench_matrix import FORMATS, WORKLOADS, engine_groups, expected_engine_s, parse_names
 
 # Prints what vLLM and bench_engine print; capacity and speed depend on the format, s4kv_saw crashes.
 FAKE_ENGINE = textwrap.dedent("""
@@ -46,6 +46,17 @@ def test_parse_names_keeps_table_order_and_rejects_unknown():
     assert parse_names("all", WORKLOADS, "workloads") == ["short", "long", "many", "24gb"]
     with pytest.raises(ValueError, match="unknown workloads"):
         parse_names("short,huge", WORKLOADS, "workloads")
+
+
+def test_all_means_the_issue_formats_and_an_option_runs_when_named(tmp_path):
+    """`--configs all` (the default) runs the five formats of issues 4 and 5; int4_saw's rotate_values option is a
+    format of its own, run only when named, with its option in the engine's additional_config."""
+    plan = bench.build_plan(bench_args(tmp_path, workloads="short"))
+    assert [fmt for fmt, _, _ in plan] == ["bf16_fa3", "fp8_fa3", "vllm_int4", "s4kv_kivi", "s4kv_saw"]
+    plan = bench.build_plan(bench_args(tmp_path, configs="s4kv_saw_rotv,bf16_fa3", workloads="short"))
+    assert [fmt for fmt, _, _ in plan] == ["bf16_fa3", "s4kv_saw_rotv"]
+    assert FORMATS["s4kv_saw_rotv"].engine_kwargs()["additional_config"] == \
+        {"s4kv": {"scheme": "int4_saw", "rotate_values": True}}
 
 
 def test_short_and_long_share_an_engine():

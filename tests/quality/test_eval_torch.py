@@ -61,7 +61,7 @@ def check_metrics(metrics, trained: bool):
     exact = metrics["bf16_fa3"]
     assert exact["top1_agreement"] == 1.0 and exact["mean_kl"] == 0.0 and exact["perplexity_delta"] == 0.0
     assert exact["exact_match"] == 1.0 and exact["first_divergence"] == [None] * 4
-    int4 = ("s4kv_kivi", "s4kv_saw", "vllm_int4")
+    int4 = ("s4kv_kivi", "s4kv_saw", "s4kv_saw_rotv", "vllm_int4")
     for name in int4:
         assert metrics[name]["mean_kl"] > 0.0, (name, metrics[name])  # a lossy format never measures as exact
     worst_int4_kl = max(metrics[n]["mean_kl"] for n in int4)

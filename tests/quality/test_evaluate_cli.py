@@ -82,3 +82,16 @@ def test_a_run_cut_short_keeps_the_formats_it_measured(tiny_model, tmp_path, mon
     assert partial["pending"] == ["fp8_fa3", "s4kv_kivi"]
     table = eval_report.markdown_table(partial)
     assert "| s4kv int4_saw (torch ref) |" in table and "not measured: fp8_fa3, s4kv_kivi" in table
+
+
+def test_default_formats_are_the_issue_formats_and_every_format_has_a_torch_reference():
+    import argparse
+
+    from s4kv.runtime import evaluate
+    from s4kv.runtime.bench_matrix import FORMATS, STANDARD_FORMATS
+    from s4kv.runtime.eval_torch import TORCH_FORMATS
+
+    parser = argparse.ArgumentParser()
+    evaluate.add_arguments(parser)
+    assert parser.parse_args(["model"]).formats.split(",") == list(STANDARD_FORMATS)
+    assert set(TORCH_FORMATS) == set(FORMATS)  # --engine torch runs whatever --formats names
