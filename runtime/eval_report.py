@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .bench_matrix import FORMATS
 from .bench_plot import COLORS
+from .quality import ratio_interval
 
 # (key in a regime's metrics, column title, format string)
 COLUMNS = [
@@ -62,12 +63,24 @@ def markdown_table(result: dict) -> str:
 # issue 5's target: each S4 KV scheme at least as good as vLLM's int4 on every metric (True: higher is better)
 TARGET_METRICS = [("top1_agreement", "top-1", "{:.2%}", True), ("perplexity_delta_pct", "ppl delta", "{:+.2f}%", False),
                   ("mean_kl", "KL", "{:.2e}", False), ("exact_match", "greedy exact", "{:.0%}", True)]
-TARGET_SCHEMES = ("s4kv_kivi", "s4kv_saw")
+TARGET_SCHEMES = ("s4kv_kivi", "s4kv_saw", "s4kv_saw_rotv")
 TARGET_REFERENCE = "vllm_int4"
 
 
+def _kl_ratio(ours: dict, theirs: dict) -> str:
+    """" (0.97x, 95% CI 0.93-1.01)": our KL over theirs, with its paired-bootstrap interval where the run kept the
+    per-window KL of both (runs before the sixth session did not)."""
+    text = f" ({ours['mean_kl'] / theirs['mean_kl']:.2f}x"
+    windows, reference_windows = ours.get("window_kl", []), theirs.get("window_kl", [])
+    if len(windows) > 1 and len(windows) == len(reference_windows):
+        low, high = ratio_interval(windows, reference_windows)
+        text += f", 95% CI {low:.2f}-{high:.2f}"
+    return text + ")"
+
+
 def target_check(result: dict) -> list[str]:
-    """One line per (scheme, regime): each metric against vLLM's int4 in the same run, 'ok' or 'MISSED'."""
+    """One line per (scheme, regime): each metric against vLLM's int4 in the same run, 'ok' or 'MISSED' by the
+    measured values."""
     formats = result["formats"]
     if TARGET_REFERENCE not in formats:
         return []
@@ -80,7 +93,7 @@ def target_check(result: dict) -> list[str]:
                 if ours.get(key) is None or theirs.get(key) is None:
                     continue
                 ok = ours[key] >= theirs[key] if higher_is_better else ours[key] <= theirs[key]
-                ratio = f" ({ours[key] / theirs[key]:.2f}x)" if key == "mean_kl" and theirs[key] else ""
+                ratio = _kl_ratio(ours, theirs) if key == "mean_kl" and theirs[key] else ""
                 verdicts.append(f"{title} {fmt.format(ours[key])} vs {fmt.format(theirs[key])}{ratio}: "
                                 f"{'ok' if ok else 'MISSED'}")
             lines.append(f"{scheme} {regime} vs {label(TARGET_REFERENCE, result['engine'])}: " + "; ".join(verdicts))

@@ -41,3 +41,12 @@ def test_no_reference_in_the_run_means_no_verdict():
     result = result_with(metrics(0.9, 1.0, 1e-2, 0.5))
     del result["formats"]["vllm_int4"]
     assert eval_report.target_check(result) == []
+
+
+def test_the_kl_ratio_carries_its_interval_when_the_run_kept_windows():
+    kivi = dict(metrics(0.89, 2.5, 2.0e-2, 0.2), window_kl=[1.9e-2, 2.1e-2, 2.0e-2, 2.0e-2])
+    result = result_with(kivi)
+    result["formats"]["vllm_int4"]["short"]["window_kl"] = [2.4e-2, 2.6e-2, 2.5e-2, 2.5e-2]
+    (line,) = eval_report.target_check(result)
+    low, high = (float(x) for x in line.split("95% CI ")[1].split(")")[0].split("-"))
+    assert low <= 0.8 <= high and high - low < 0.1

@@ -13,6 +13,7 @@ from s4kv.runtime.quality import (
     first_divergence,
     greedy_match,
     perplexity,
+    ratio_interval,
     top1_agreement,
     topk_kl,
 )
@@ -124,3 +125,28 @@ def test_mismatched_records_are_rejected():
         TeacherForced(np.zeros((1, 3, 2), int), np.zeros((1, 3, 2)), np.zeros((1, 3)), np.zeros((1, 2), int))
     with pytest.raises(ValueError, match="different target tokens"):
         topk_kl(a, TeacherForced(a.top_ids, a.top_logprobs, a.target_logprobs, np.ones((1, 3), int)))
+
+
+def test_window_kl_averages_to_mean_kl(rng):
+    ref = record_from_logprobs(random_logprobs(rng, (5, 40, 64)), rng.integers(0, 64, (5, 40)), 10)
+    noisy = record_from_logprobs(random_logprobs(rng, (5, 40, 64)), ref.target_ids, 10)
+    metrics = compare_teacher_forced(ref, noisy)
+    assert len(metrics["window_kl"]) == 5
+    assert np.mean(metrics["window_kl"]) == pytest.approx(metrics["mean_kl"], rel=1e-4)
+
+
+def test_ratio_interval_covers_the_ratio_and_shrinks_with_more_windows(rng):
+    def windows(n):
+        hardness = rng.gamma(2.0, 1.0, n)  # text that is hard for one int4 format is hard for the other
+        return hardness * 1.1 * rng.uniform(0.9, 1.1, n), hardness * rng.uniform(0.9, 1.1, n)
+
+    few_low, few_high = ratio_interval(*windows(16))
+    many_low, many_high = ratio_interval(*windows(1024))
+    assert few_low < 1.1 < few_high and many_low < 1.1 < many_high
+    assert many_high - many_low < (few_high - few_low) / 3
+    assert ratio_interval([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == (1.0, 1.0)  # a format against itself
+
+
+def test_ratio_interval_rejects_unpaired_windows():
+    with pytest.raises(ValueError, match="two equal lists"):
+        ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0])
