@@ -4,7 +4,7 @@ A results document is ``{"meta": {...}, "runs": [run, ...]}``; a run is one engi
 data-parallel run): ``{"format", "model", "engine": EngineSettings.as_dict(), "workloads": [names],
 "status": "ok" | "failed" | "skipped", "kv_cache_tokens", "startup_s", "results": {workload: {"wall_s",
 "output_tok_s", ...}}, "error", "call"}``. Runs from several device calls are concatenated, each tagged with its
-call (the date of the document it came from). A cell with several ok runs shows the median value and the median of
+call (its document's date and place in the merge). A cell with several ok runs shows the median value and the median of
 each run's ratio to the baseline measured in the same call: speed differs from one machine to the next by more than
 the differences measured here, so a ratio is only taken across calls when the call has no baseline run (marked).
 Rows of one GPU keep their plain keys ("short", "kv:gmu0.90-seqs256"); a parallel layout adds "@tp2" / "-tp2", and a
@@ -46,7 +46,8 @@ def parse_engine_result(log: str) -> dict[str, Any] | None:
 
 
 def merge(documents: list[dict[str, Any]]) -> dict[str, Any]:
-    """One document from several calls: runs in call order, meta from the first that has a GPU name."""
+    """One document from several calls: runs in call order, each tagged with its call; meta from the first that has a
+    GPU name, its date replaced by the span of the calls."""
     meta: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     dates = []
