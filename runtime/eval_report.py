@@ -100,6 +100,11 @@ def target_check(result: dict) -> list[str]:
     return lines
 
 
+def render_target_check(result: dict) -> str:
+    """target_check as a Markdown list (it goes under the tables in docs/quality.md)."""
+    return "\n".join(f"- {line}" for line in target_check(result))
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -133,7 +138,7 @@ def main(argv: list[str]) -> None:
         result = json.loads(Path(path).read_text())
         print(f"Command: `{result['command']}` ({result['engine']} engine, top-{result['top_k']} log-probs)\n")
         print(markdown_table(result))
-        print("\n".join(target_check(result)) + "\n")
+        print(render_target_check(result) + "\n")
 
 
 if __name__ == "__main__":

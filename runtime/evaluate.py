@@ -187,7 +187,7 @@ def evaluate(args, save=lambda result: None) -> dict:
 
 
 def run(args) -> int:
-    from .eval_report import markdown_table, plot, target_check
+    from .eval_report import markdown_table, plot, render_target_check
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -198,7 +198,7 @@ def run(args) -> int:
     json_path.write_text(json.dumps(result, indent=1))
     plot(result, png_path)
     print(markdown_table(result))
-    print("\n".join(target_check(result)))
+    print(render_target_check(result))
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
     return 1 if result.get("errors") else 0
 

@@ -50,3 +50,8 @@ def test_the_kl_ratio_carries_its_interval_when_the_run_kept_windows():
     (line,) = eval_report.target_check(result)
     low, high = (float(x) for x in line.split("95% CI ")[1].split(")")[0].split("-"))
     assert low <= 0.8 <= high and high - low < 0.1
+
+
+def test_the_check_renders_as_a_markdown_list():
+    text = eval_report.render_target_check(result_with(metrics(0.9, 1.0, 1e-2, 0.5), metrics(0.8, 5.0, 5e-2, 0.0)))
+    assert [line[:12] for line in text.splitlines()] == ["- s4kv_kivi ", "- s4kv_saw s"]
