@@ -279,10 +279,12 @@ def _paged_attention_kernel(
             v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, True, BLOCK_SIZE, PTX_UNPACK,
                                      SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
             sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written)
-            p_scaled = (p * sv[None, :]).to(dt)
+            # a broken value (NaN scale) must poison only the queries that see it: p = 0 elsewhere, but 0 * NaN
+            # is NaN, so select on visibility instead of multiplying
+            p_scaled = tl.where(visible, p * sv[None, :], 0.0).to(dt)
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo)
             acc_hi = acc_hi * alpha[:, None] + tl.dot(p_scaled, v_hi)
-            acc_min = acc_min * alpha + tl.sum(p * mv[None, :], 1)
+            acc_min = acc_min * alpha + tl.sum(tl.where(visible, p * mv[None, :], 0.0), 1)
             m_i = m_new
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * CODE_SCALE + acc_min[:, None]

@@ -186,5 +186,15 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sof
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         causal = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         scores = scores.masked_fill(~causal, float("-inf"))
-        out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        out[starts[i] : starts[i + 1]] = weighted_values(scores.softmax(-1), v, causal)
     return out
+
+
+def weighted_values(probs: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """probs [H, q, k] @ v [k, H, 128] -> [q, H, 128], where a value row holding NaN or inf makes the output of
+    exactly the queries that see it (``visible`` [q, k]) NaN. A plain product would also poison the queries that
+    cannot see it, whose probability is 0: 0 * NaN is NaN."""
+    broken = ~torch.isfinite(v).all(-1)  # [k, H]
+    out = torch.einsum("hqk,khd->qhd", probs, v.masked_fill(broken[..., None], 0.0))
+    poisoned = (visible.to(v.dtype) @ broken.to(v.dtype)) > 0  # [q, H]
+    return out.masked_fill(poisoned[..., None], float("nan"))

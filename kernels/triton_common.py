@@ -43,14 +43,33 @@ def rotate_halves(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr):
 
 @triton.jit
 def rotate_halves_fp32(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr):
-    """rotate_halves for fp32 values at about fp32 precision, still on tensor cores: x = hi + lo with hi the fp16
-    rounding of x and lo the fp16 rounding of the rest (21 significant bits together), each rotated exactly."""
+    """rotate_halves for fp32 values at about fp32 precision and range, still on tensor cores.
+
+    Each row is first scaled by a power of two that brings its largest magnitude into [2^14, 2^15): fp16 holds it
+    (a key of norm above 65504 would otherwise become inf), and the scale is exact both ways. Then x = hi + lo,
+    hi the fp16 rounding of x and lo the fp16 rounding of the rest (21 significant bits together), each rotated
+    exactly. A row holding inf or NaN stays non-finite."""
+    down, up = _row_pow2_scales(x_lo, x_hi)
+    x_lo = x_lo * down[:, None]
+    x_hi = x_hi * down[:, None]
     hi_lo = x_lo.to(tl.float16)
     hi_hi = x_hi.to(tl.float16)
     y_lo, y_hi = rotate_halves(hi_lo, hi_hi, HADAMARD_BLOCK)
     r_lo, r_hi = rotate_halves((x_lo - hi_lo.to(tl.float32)).to(tl.float16),
                                (x_hi - hi_hi.to(tl.float32)).to(tl.float16), HADAMARD_BLOCK)
-    return y_lo + r_lo, y_hi + r_hi
+    return (y_lo + r_lo) * up[:, None], (y_hi + r_hi) * up[:, None]
+
+
+@triton.jit
+def _row_pow2_scales(x_lo, x_hi):
+    """Per row, (2^(14 - e), 2^(e - 14)) with 2^e <= max |x| < 2^(e + 1), built from the exponent bits (exact);
+    e is clamped so that both stay normal fp32 (rows of all zeros, subnormals, inf and NaN included)."""
+    amax = tl.maximum(tl.max(tl.abs(x_lo), 1), tl.max(tl.abs(x_hi), 1))
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # e + 127
+    biased = tl.minimum(tl.maximum(biased, 15), 254)
+    down = ((268 - biased) << 23).to(tl.float32, bitcast=True)  # exponent 14 - e, biased 141 - e + 127
+    up = ((biased - 14) << 23).to(tl.float32, bitcast=True)  # exponent e - 14
+    return down, up
 
 
 @triton.jit

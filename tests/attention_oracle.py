@@ -6,12 +6,17 @@ import torch
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """Plain float64 attention: q [q_len, Hq, 128] are the last q_len positions of k, v [seq_len, Hkv, 128]."""
+    """Plain float64 attention: q [q_len, Hq, 128] are the last q_len positions of k, v [seq_len, Hkv, 128].
+
+    Each query reads only the keys and values it may see (a slice, not a mask), so a NaN or inf at a later
+    position cannot reach it: 0 * NaN in a masked product would."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     seq_len, q_len = k.shape[0], q.shape[0]
-    scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
-    allowed = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    out = torch.empty_like(q)
+    for i in range(q_len):
+        visible = seq_len - q_len + i + 1
+        scores = torch.einsum("hd,khd->hk", q[i], k[:visible]) * softmax_scale
+        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[:visible])
+    return out

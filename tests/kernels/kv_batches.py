@@ -246,3 +246,23 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in float64 (Frobenius)."""
     a, e = actual.double(), expected.double()
     return float((a - e).norm() / e.norm())
+
+
+def poison_fresh_values(batch: PagedBatch, positions: dict[int, int]) -> None:
+    """Set the value at ``positions[seq]`` (a position among sequence seq's new tokens) to NaN, in batch.value
+    (what a store writes) and in batch.seq_values (what the oracle reads): queries before it must stay finite."""
+    starts = batch.query_start_loc.tolist()
+    for seq, position in positions.items():
+        context = batch.specs[seq][0]
+        assert context <= position < int(batch.seq_lens[seq]), "the poisoned value must be a new token"
+        batch.value[starts[seq] + position - context, 0, 5] = float("nan")
+        batch.seq_values[seq][position, 0, 5] = float("nan")
+
+
+def assert_poisoned_rows(out: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """The rows that are NaN in ``out`` [T, Hq, 128] are exactly those NaN in ``expected``, and some are not."""
+    got = torch.isnan(out.float()).any(-1)
+    want = torch.isnan(expected).any(-1)
+    assert want.any() and not want.all(), f"{what}: the case must poison some query rows and spare others"
+    wrong = (got != want).nonzero().tolist()
+    assert not wrong, f"{what}: {len(wrong)} (token, head) rows NaN where the oracle is not or the reverse, first {wrong[0]}"

@@ -11,7 +11,8 @@ import dataclasses
 
 import pytest
 import torch
-from kv_batches import cache_with_prefix, make_paged_batch, relative_error, with_guard_blocks
+from kv_batches import (assert_poisoned_rows, cache_with_prefix, make_paged_batch, poison_fresh_values, relative_error,
+                        unquantized_attention, with_guard_blocks)
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SplitWorkspace, paged_attention
@@ -200,6 +201,24 @@ def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, specs, 
     paged_attention(query, cache, block_table, seq_lens, query_start_loc, batch.max_query_len, SOFTMAX_SCALE,
                     scheme, out, workspace=workspace)
     assert_attention_close(out[:num_tokens], expected, "padded batch")
+
+
+@pytest.mark.parametrize("scheme_name", ["kivi", "saw64-rotv"])
+def test_a_broken_value_poisons_only_the_queries_that_see_it(gen, kernel_device, scheme_name):
+    """A NaN value (stored with a NaN scale) in a fresh prefill and in a chunk over a cached prefix: the queries
+    before it must not see it (p = 0 there, and 0 * NaN is NaN), those after it must be NaN. Which rows are NaN
+    comes from the oracle that gives each query only the keys it may see; the other rows match the reference."""
+    scheme = SCHEMES[scheme_name]
+    batch = make_paged_batch(gen, [(0, 70), (100, 40)], 8, 2, block_size=128, dtype=torch.float16,
+                             device=kernel_device)
+    poison_fresh_values(batch, {0: 30, 1: 120})
+    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
+    store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    out = run_kernel(batch, cache, scheme)
+    assert_poisoned_rows(out, unquantized_attention(batch, SOFTMAX_SCALE), scheme_name)
+    expected = run_reference(batch, cache, scheme)
+    finite = ~torch.isnan(expected).any(-1)
+    torch.testing.assert_close(out.float()[finite], expected[finite], rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 48, 64, 96])

@@ -62,6 +62,30 @@ def test_gather_dense_kv_matches_reference(gen, kernel_device, scheme_name, seqs
                                        msg=lambda m: f"sequence {i}, cached {name} prefix: {m}")
 
 
+@pytest.mark.parametrize("scheme_name", ["kivi", "saw128", "saw64-rotv"])
+def test_vectors_past_fp16_range_once_rotated_are_gathered_finite(gen, kernel_device, scheme_name):
+    """A key and a value with all 128 channels at 9000 (fp16 holds them) rotate to a first channel of 9000 * sqrt(b):
+    101,823 for a 128-block, 72,000 for a 64-block, past fp16's 65504. The cache holds them with finite params;
+    the gather must un-rotate them to 9000 again, not inf or NaN (FlashAttention then gives NaN)."""
+    scheme = SCHEMES[scheme_name]
+    batch = make_paged_batch(gen, [(200, 20)], 4, 2, block_size=128, dtype=torch.float16, device=kernel_device)
+    for tensors in (batch.seq_keys, batch.seq_values):
+        tensors[0][[5, 150], 1] = 9000.0  # a closed block (per channel for int4_kivi) and the open one
+    batch.prefix_key, batch.prefix_value = batch.seq_keys[0][:200], batch.seq_values[0][:200]
+    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    dense_k = torch.full((220, 2, 128), float("nan"), dtype=torch.float16, device=kernel_device)
+    dense_v = torch.full_like(dense_k, float("nan"))
+    gather_dense_kv(batch.key, batch.value, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                    torch.tensor([0, 220], dtype=torch.int32, device=kernel_device), 220, scheme, dense_k, dense_v)
+    ks, vs = dense_reference(batch, cache, scheme, [0])
+    for name, got, want in (("K", dense_k, ks[0]), ("V", dense_v, vs[0])):
+        assert torch.isfinite(got).all(), f"{name}: {int((~torch.isfinite(got)).sum())} non-finite gathered values"
+        torch.testing.assert_close(got[[5, 150], 1].float(), want[[5, 150], 1], rtol=2e-3, atol=0.5,
+                                   msg=lambda m: f"{name}, the large rows: {m}")
+        torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("block_size", [16, 32, 48, 64, 96])
 def test_any_page_size_is_gathered_right_or_rejected(gen, kernel_device, block_size):
     scheme = SCHEMES["saw128"]
