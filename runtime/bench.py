@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench_report, model_shapes
+from . import bench_report, bench_serve, model_shapes
 from .bench_matrix import (ALL_WORKLOADS, FORMATS, MEASURED_START_MARGIN, STANDARD_FORMATS, WORKLOADS, EngineSettings,
                            ModelScale, Workload, engine_groups, expected_engine_s, parse_names)
 from .bench_plot import render_svg
@@ -67,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS_JSON",
                         help="run nothing: merge results.json files of earlier calls into one table and plot")
     parser.add_argument("--dry-run", action="store_true", help="print the engines that would run, then stop")
+    bench_serve.add_arguments(parser)
 
 
 def _positive_int(text: str) -> int:
@@ -117,6 +118,8 @@ def build_plan(args: argparse.Namespace) -> list[tuple[str, EngineSettings, list
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.serve:
+        return bench_serve.run(args)
     if args.merge:
         doc = bench_report.load(args.merge)
         write_outputs(doc, args.out)

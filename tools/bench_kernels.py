@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Kernel benchmark (issue 2; the kernel-level evidence for issue 4), one H200 call, well under 6 minutes.
 
-Decode attention (one query token per sequence) with the Qwen2.5-7B attention shape (28 query heads,
-4 KV heads, head_dim 128, bf16 queries) at contexts 1k/4k/16k/32k and batches 1/32/128/256, for:
+Decode attention (one query token per sequence) with the attention shapes of Qwen2.5-7B (28 query heads, 4 KV
+heads: GQA 7) and Llama-3.1-8B (32 / 8: GQA 4), head_dim 128, bf16 queries, at contexts 1k/4k/16k/32k and
+batches 1/32/128/256, for:
   fa3_bf16   vLLM 0.26.0's FlashAttention-3 on a bf16 paged cache (block 16), as its FLASH_ATTN backend
              calls it under CUDA graphs (scheduler metadata, num_splits 32)
   vllm_int4  vLLM 0.26.0's int4_per_token_head path (block 16): unified_attention_int4, RHT of q/out included,
@@ -12,6 +13,8 @@ Decode attention (one query token per sequence) with the Qwen2.5-7B attention sh
              fp16 subnormal MMA operands, and/or unpacked by inline PTX)
   s4kv_saw_rotv   int4_saw with its rotate_values option (values rotated like keys, as vLLM's int4 does), at the
              committed decode launch
+  s4kv_*_t1, s4kv_*_t16   the default launch with the split-KV workspace aiming at 1 or 16 programs per SM
+             instead of the backend's 4 (SplitWorkspace.target_programs): how many splits each shape wants
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
 
 Every cache is filled through its own store path from the same random K/V, pages are handed out in a
@@ -22,6 +25,7 @@ GB/s counts the bytes that must move: the K/V of every context token (int4 136 B
 and KV head) plus q and out. A device-to-device copy gives the bandwidth ceiling.
 
   python tools/bench_kernels.py --out DIR      # writes DIR/kernels.json and DIR/kernels.md, prints the tables
+  python tools/bench_kernels.py --out DIR --methods fa3_bf16,s4kv_kivi,s4kv_saw --shapes llama-3.1-8b
 """
 
 from __future__ import annotations
@@ -39,12 +43,18 @@ from pathlib import Path
 
 import torch
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 4, 128
+# (query heads, KV heads) of the attention shapes the benchmark knows; the first is the default
+SHAPES = {"qwen2.5-7b": (28, 4), "llama-3.1-8b": (32, 8)}
+NUM_Q_HEADS, NUM_KV_HEADS = SHAPES["qwen2.5-7b"]
+HEAD_DIM = 128
 BYTES_PER_TOKEN_HEAD = {"int4": 136, "bf16": 2 * HEAD_DIM * 2}
 # code path (kernels.attention.CODE_PATHS) -> method-name suffix
 CODE_PATH_SUFFIX = {"biased": "", "subnormal": "_sub", "biased+ptx": "_ptx", "subnormal+ptx": "_sub_ptx"}
+# split-KV workspace targets measured beside the backend's 4 programs per SM: method-name suffix -> programs per SM
+SPLIT_TARGET_SUFFIX = {"_t1": 1, "_t16": 16}
 METHODS = ("fa3_bf16", "vllm_int4") + tuple(f"s4kv_{scheme}{suffix}" for suffix in CODE_PATH_SUFFIX.values()
-                                             for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv",)
+                                             for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv",) + tuple(
+    f"s4kv_{scheme}{suffix}" for suffix in SPLIT_TARGET_SUFFIX for scheme in ("kivi", "saw"))
 FORMAT_OF = {method: "bf16" if method == "fa3_bf16" else "int4" for method in METHODS}
 VLLM_BLOCK_SIZE = 16  # vLLM 0.26.0's default block size for FLASH_ATTN and TRITON_ATTN
 S4KV_BLOCK_SIZE = 128  # our backend forces 128 (a KIVI key group is one page)
@@ -57,10 +67,11 @@ SANITY_MAX_REL_ERR = 0.5  # int4 attention lands near 0.1 of FA3's output; far a
 
 # ---------------------------------------------------------------- arithmetic (CPU-tested)
 
-def decode_bytes(batch: int, context: int, kv_format: str) -> int:
+def decode_bytes(batch: int, context: int, kv_format: str, num_q_heads: int = NUM_Q_HEADS,
+                 num_kv_heads: int = NUM_KV_HEADS) -> int:
     """Fewest bytes one decode step must move: every cached K/V token once, plus q read and out written (bf16)."""
-    kv = batch * context * NUM_KV_HEADS * BYTES_PER_TOKEN_HEAD[kv_format]
-    return kv + 2 * batch * NUM_Q_HEADS * HEAD_DIM * 2
+    kv = batch * context * num_kv_heads * BYTES_PER_TOKEN_HEAD[kv_format]
+    return kv + 2 * batch * num_q_heads * HEAD_DIM * 2
 
 
 def store_bytes(tokens: int, kv_format: str) -> int:
@@ -90,6 +101,7 @@ class Timing:
     bytes: int
     rel_err_vs_fa3: float | None = None
     error: str | None = None
+    shape: str = "qwen2.5-7b"
 
     @property
     def gbps(self) -> float | None:
@@ -97,16 +109,17 @@ class Timing:
 
 
 def render_decode_table(timings: list[Timing], copy_gbps: float | None) -> str:
-    """Markdown: one row per (batch, context), one column per method: time, GB/s, speed vs FA3."""
-    by_key = {(t.batch, t.context, t.method): t for t in timings}
-    keys = sorted({(t.batch, t.context) for t in timings})
+    """Markdown: one row per (shape, batch, context), one column per method: time, GB/s, speed vs FA3."""
+    by_key = {(t.shape, t.batch, t.context, t.method): t for t in timings}
+    keys = sorted({(list(SHAPES).index(t.shape), t.shape, t.batch, t.context) for t in timings})
     methods = [m for m in METHODS if any(t.method == m for t in timings)]
-    lines = ["| batch | context | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
-    for batch, context in keys:
-        fa3 = by_key.get((batch, context, "fa3_bf16"))
+    lines = ["| shape (GQA) | batch | context | " + " | ".join(methods) + " |",
+             "|---|---|---|" + "---|" * len(methods)]
+    for _, shape, batch, context in keys:
+        fa3 = by_key.get((shape, batch, context, "fa3_bf16"))
         cells = []
         for method in methods:
-            t = by_key.get((batch, context, method))
+            t = by_key.get((shape, batch, context, method))
             if t is None or t.ms is None:
                 cells.append("not run" if t is None or not t.error else f"failed: {t.error.splitlines()[0][:60]}")
                 continue
@@ -114,7 +127,8 @@ def render_decode_table(timings: list[Timing], copy_gbps: float | None) -> str:
             if fa3 is not None and fa3.ms:
                 cell += f", {fa3.ms / t.ms:.2f}x"
             cells.append(cell)
-        lines.append(f"| {batch} | {context:,} | " + " | ".join(cells) + " |")
+        group = SHAPES[shape][0] // SHAPES[shape][1]
+        lines.append(f"| {shape} ({group}) | {batch} | {context:,} | " + " | ".join(cells) + " |")
     ceiling = f"; copy ceiling {copy_gbps:,.0f} GB/s" if copy_gbps else ""
     lines.append("")
     lines.append(f"median CUDA-graph replay; GB/s = bytes that must move / time{ceiling}; "
@@ -171,6 +185,14 @@ class DecodeProblem:
         return self.query.device
 
     @property
+    def num_q_heads(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_pool.shape[2]
+
+    @property
     def seq_lens(self) -> torch.Tensor:
         return torch.full((self.batch,), self.context, dtype=torch.int32, device=self.device)
 
@@ -198,15 +220,16 @@ def build_fa3(problem: DecodeProblem, block_table: torch.Tensor, out: torch.Tens
     """bf16 paged cache (vLLM's NHD layout, K and V halves of one tensor) read by FA3 as FLASH_ATTN does."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
 
-    cache = torch.empty(block_table.numel(), VLLM_BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_DIM, dtype=problem.query.dtype,
+    num_kv_heads = problem.num_kv_heads
+    cache = torch.empty(block_table.numel(), VLLM_BLOCK_SIZE, num_kv_heads, 2 * HEAD_DIM, dtype=problem.query.dtype,
                         device=problem.device)
     for key, value, slots in problem.chunks(block_table, VLLM_BLOCK_SIZE):
-        cache.view(-1, NUM_KV_HEADS, 2 * HEAD_DIM)[slots] = torch.cat([key, value], dim=-1)
+        cache.view(-1, num_kv_heads, 2 * HEAD_DIM)[slots] = torch.cat([key, value], dim=-1)
     key_cache, value_cache = cache.split(HEAD_DIM, dim=-1)
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
     metadata = get_scheduler_metadata(
-        batch_size=problem.batch, max_seqlen_q=1, max_seqlen_k=problem.context, num_heads_q=NUM_Q_HEADS,
-        num_heads_kv=NUM_KV_HEADS, headdim=HEAD_DIM, cache_seqlens=seq_lens, qkv_dtype=problem.query.dtype,
+        batch_size=problem.batch, max_seqlen_q=1, max_seqlen_k=problem.context, num_heads_q=problem.num_q_heads,
+        num_heads_kv=num_kv_heads, headdim=HEAD_DIM, cache_seqlens=seq_lens, qkv_dtype=problem.query.dtype,
         cu_seqlens_q=cu_q, page_size=VLLM_BLOCK_SIZE, causal=True, window_size=(-1, -1), num_splits=FA3_MAX_SPLITS)
     return lambda: flash_attn_varlen_func(
         q=problem.query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1,
@@ -220,14 +243,14 @@ def build_vllm_int4(problem: DecodeProblem, block_table: torch.Tensor, out: torc
     from vllm.v1.attention.ops.int4_per_token_head import reshape_and_cache_int4, unified_attention_int4
 
     # physical (blocks, block, kv heads, 136): [K codes 64 | K fp32 scale | V codes 64 | V fp32 scale]
-    cache = torch.empty(block_table.numel(), VLLM_BLOCK_SIZE, NUM_KV_HEADS, 136, dtype=torch.uint8,
+    cache = torch.empty(block_table.numel(), VLLM_BLOCK_SIZE, problem.num_kv_heads, 136, dtype=torch.uint8,
                         device=problem.device)
     key_cache, value_cache = cache.split(68, dim=-1)
     as_f32 = cache.view(torch.float32)
     k_scale, v_scale = as_f32[..., 16], as_f32[..., 33]  # bytes 64 and 132
     for key, value, slots in problem.chunks(block_table, VLLM_BLOCK_SIZE):
         reshape_and_cache_int4(key, value, key_cache, value_cache, slots, k_scale_cache=k_scale, v_scale_cache=v_scale)
-    segments = (VLLM_SEQ_THRESHOLD_3D, NUM_Q_HEADS, VLLM_SOFTMAX_SEGMENTS)
+    segments = (VLLM_SEQ_THRESHOLD_3D, problem.num_q_heads, VLLM_SOFTMAX_SEGMENTS)
     buffers = dict(
         softmax_segm_output=torch.empty(*segments, HEAD_DIM, dtype=torch.float32, device=problem.device),
         softmax_segm_max=torch.empty(*segments, dtype=torch.float32, device=problem.device),
@@ -242,20 +265,26 @@ def build_vllm_int4(problem: DecodeProblem, block_table: torch.Tensor, out: torc
 
 
 def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, block_table: torch.Tensor,
-               out: torch.Tensor):
+               out: torch.Tensor, programs_per_sm: int | None = None):
     """Our cache filled by our store kernel, read by our paged attention: the scheme's decode launch with one code
-    path, or with ``code_path`` None the launch paged_attention picks itself (DECODE_LAUNCH)."""
+    path, or with ``code_path`` None the launch paged_attention picks itself (DECODE_LAUNCH); the split workspace
+    as our backend allocates it, or aiming at ``programs_per_sm`` programs per SM."""
     from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, SplitWorkspace, paged_attention
     from s4kv.kernels.layout import cache_shape
     from s4kv.kernels.scheme import Int4Scheme
     from s4kv.kernels.store import store_kv
 
     scheme = Int4Scheme.parse(options)
-    cache = torch.empty(cache_shape(block_table.numel(), NUM_KV_HEADS, S4KV_BLOCK_SIZE), dtype=torch.uint8,
+    cache = torch.empty(cache_shape(block_table.numel(), problem.num_kv_heads, S4KV_BLOCK_SIZE), dtype=torch.uint8,
                         device=problem.device)
     for key, value, slots in problem.chunks(block_table, S4KV_BLOCK_SIZE):
         store_kv(key, value, cache, slots, scheme)
-    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, problem.device)  # as our backend's builder does
+    target = None
+    if programs_per_sm is not None:
+        target = programs_per_sm * torch.cuda.get_device_properties(problem.device).multi_processor_count
+    # target None: as our backend's builder allocates it
+    workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, problem.device,
+                                        target_programs=target)
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
     launch = None if code_path is None else dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
     return lambda: paged_attention(problem.query, cache, block_table, seq_lens, cu_q, 1, HEAD_DIM ** -0.5, scheme,
@@ -269,18 +298,26 @@ DECODE_METHODS = {
     **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": f"int4_{scheme}"}, code_path))
        for code_path, suffix in CODE_PATH_SUFFIX.items() for scheme in ("kivi", "saw")},
     "s4kv_saw_rotv": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": "int4_saw", "rotate_values": True}, None)),
+    **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": f"int4_{scheme}"}, None,
+                                                          programs_per_sm=per_sm))
+       for suffix, per_sm in SPLIT_TARGET_SUFFIX.items() for scheme in ("kivi", "saw")},
 }
 
 
-def bench_decode(batch: int, context: int, generator: torch.Generator, kv_pool: torch.Tensor) -> list[Timing]:
-    """Each method in turn (its cache alone in memory): fill, time, check against FA3's output."""
-    query = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=kv_pool.dtype, device=kv_pool.device)
+def bench_decode(batch: int, context: int, generator: torch.Generator, kv_pool: torch.Tensor,
+                 methods: list[str], shape: str) -> list[Timing]:
+    """Each method in turn (its cache alone in memory): fill, time, check against FA3's output (FA3 runs first)."""
+    num_q_heads, num_kv_heads = SHAPES[shape]
+    assert kv_pool.shape[2] == num_kv_heads
+    query = torch.randn(batch, num_q_heads, HEAD_DIM, dtype=kv_pool.dtype, device=kv_pool.device)
     problem = DecodeProblem(batch, context, query, kv_pool)
     tables = {size: shuffled_block_table(batch, math.ceil(context / size), generator).to(kv_pool.device)
               for size in (VLLM_BLOCK_SIZE, S4KV_BLOCK_SIZE)}
     timings, reference = [], None
     for method, (block_size, build) in DECODE_METHODS.items():
-        nbytes = decode_bytes(batch, context, FORMAT_OF[method])
+        if method not in methods:
+            continue
+        nbytes = decode_bytes(batch, context, FORMAT_OF[method], num_q_heads, num_kv_heads)
         out = torch.full_like(query, float("nan"))  # poisoned: every element must be written
         try:
             ms = median_ms(build(problem, tables[block_size], out))
@@ -291,13 +328,14 @@ def bench_decode(batch: int, context: int, generator: torch.Generator, kv_pool: 
                 reference = out.float()
             if err is not None and err > SANITY_MAX_REL_ERR:
                 raise RuntimeError(f"output differs from FA3's by {err:.3f} (relative): kernel broken?")
-            timings.append(Timing(method, batch, context, ms, nbytes, err))
+            timings.append(Timing(method, batch, context, ms, nbytes, err, shape=shape))
         except Exception as exc:  # one broken method must not hide the others' numbers
             traceback.print_exc()
-            timings.append(Timing(method, batch, context, None, nbytes, error=f"{type(exc).__name__}: {exc}"))
+            timings.append(Timing(method, batch, context, None, nbytes, error=f"{type(exc).__name__}: {exc}",
+                                  shape=shape))
         torch.cuda.empty_cache()  # the method's cache died with its call: keep peak memory to one format
     line = ", ".join(f"{t.method} {t.ms * 1e3:,.0f} us" if t.ms else f"{t.method} failed" for t in timings)
-    print(f"  batch {batch:3d} context {context:6d}: {line}", flush=True)
+    print(f"  {shape} batch {batch:3d} context {context:6d}: {line}", flush=True)
     return timings
 
 
@@ -346,11 +384,22 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--contexts", default="1024,4096,16384,32768")
     parser.add_argument("--batches", default="1,32,128,256")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    parser.add_argument("--methods", default="all", help=f"comma list of decode methods or 'all' ({', '.join(METHODS)})")
+    parser.add_argument("--no-store", action="store_true", help="skip the store-kernel timings")
     parser.add_argument("--budget-s", type=float, default=300,
                         help="skip the remaining decode configs once this much time has passed")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    methods = list(METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [name for name in shapes if name not in SHAPES] + [name for name in methods if name not in METHODS]
+    if unknown or not shapes or not methods:
+        raise SystemExit(f"bench_kernels.py: unknown shapes or methods {unknown}: shapes {', '.join(SHAPES)}; "
+                         f"methods {', '.join(METHODS)}")
+    if "fa3_bf16" not in methods:
+        raise SystemExit("bench_kernels.py: fa3_bf16 must be among --methods: every output is checked against it")
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU (run it on the H200 through tools/device_bench.sh)")
     start = time.monotonic()
@@ -362,18 +411,21 @@ def main() -> int:
     copy_gbps = copy_bandwidth_gbps()
     print(f"device-to-device copy: {copy_gbps:,.0f} GB/s", flush=True)
     pool_tokens = min(max(batches) * max(contexts), FILL_CHUNK_TOKENS)
-    kv_pool = torch.randn(2, pool_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
 
     decode: list[Timing] = []
     skipped = []
-    # Largest first: the bandwidth-bound configs are the ones that explain the end-to-end numbers, and the
-    # launch-bound small ones are what a time budget may drop.
-    for batch, context in sorted(((b, c) for b in batches for c in contexts), key=lambda bc: -bc[0] * bc[1]):
-        if time.monotonic() - start > args.budget_s:
-            skipped.append((batch, context))
-            continue
-        decode += bench_decode(batch, context, generator, kv_pool)
-    store = bench_store(generator)
+    for shape in shapes:
+        kv_pool = torch.randn(2, pool_tokens, SHAPES[shape][1], HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        # Largest first: the bandwidth-bound configs are the ones that explain the end-to-end numbers, and the
+        # launch-bound small ones are what a time budget may drop.
+        for batch, context in sorted(((b, c) for b in batches for c in contexts), key=lambda bc: -bc[0] * bc[1]):
+            if time.monotonic() - start > args.budget_s:
+                skipped.append((shape, batch, context))
+                continue
+            decode += bench_decode(batch, context, generator, kv_pool, methods, shape)
+        del kv_pool
+        torch.cuda.empty_cache()
+    store = [] if args.no_store else bench_store(generator)
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
@@ -384,9 +436,10 @@ def main() -> int:
     (args.out / "kernels.json").write_text(json.dumps({"meta": meta, "decode": as_dicts(decode),
                                                         "store": as_dicts(store)}, indent=1))
     title = f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, vLLM {meta['vllm']}, {meta['date']}"
-    report = (f"Decode attention, Qwen2.5-7B shape ({NUM_Q_HEADS} q / {NUM_KV_HEADS} KV heads, d {HEAD_DIM}), "
-              f"{title}\n\n{render_decode_table(decode, copy_gbps)}\nStore (K+V of new tokens)\n\n"
-              f"{render_store_table(store)}")
+    shape_list = ", ".join(f"{name} ({SHAPES[name][0]} q / {SHAPES[name][1]} KV heads)" for name in shapes)
+    report = f"Decode attention, d {HEAD_DIM}, {shape_list}, {title}\n\n{render_decode_table(decode, copy_gbps)}"
+    if store:
+        report += f"\nStore (K+V of new tokens, {NUM_Q_HEADS} q / {NUM_KV_HEADS} KV heads)\n\n{render_store_table(store)}"
     if skipped:
         report += f"\nskipped for the time budget: {skipped}\n"
     (args.out / "kernels.md").write_text(report)

@@ -14,25 +14,31 @@ from pathlib import Path
 
 import matplotlib
 
+DEFAULT_SHAPE = "qwen2.5-7b"  # results written before the benchmark had several attention shapes
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
 def decode_series(results: dict) -> tuple[list[str], dict[str, list[float | None]], dict[str, list[float | None]]]:
-    """Shape labels, and per method its speed vs FA3 and its GB/s per shape (None where it failed)."""
+    """Shape labels, and per method its speed vs FA3 and its GB/s per shape (None where it failed). A shape is a
+    batch x context, prefixed with the model's attention shape when the results hold more than one."""
     rows = results["decode"]
-    shapes = sorted({(r["batch"], r["context"]) for r in rows})
-    fa3 = {(r["batch"], r["context"]): r["ms"] for r in rows if r["method"] == "fa3_bf16"}
+    key = lambda r: (r.get("shape", DEFAULT_SHAPE), r["batch"], r["context"])  # noqa: E731
+    models = list(dict.fromkeys(r.get("shape", DEFAULT_SHAPE) for r in rows))
+    shapes = sorted({key(r) for r in rows}, key=lambda k: (models.index(k[0]), k[1], k[2]))
+    fa3 = {key(r): r["ms"] for r in rows if r["method"] == "fa3_bf16"}
     methods = list(dict.fromkeys(r["method"] for r in rows))
     speed, gbps = {m: [] for m in methods}, {m: [] for m in methods}
     for method in methods:
-        by_shape = {(r["batch"], r["context"]): r for r in rows if r["method"] == method}
+        by_shape = {key(r): r for r in rows if r["method"] == method}
         for shape in shapes:
             r = by_shape.get(shape)
             ok = r is not None and r["ms"] and fa3.get(shape)
             speed[method].append(fa3[shape] / r["ms"] if ok else None)
             gbps[method].append(r["gbps"] if ok else None)
-    return [f"{b} x {c // 1024}k" for b, c in shapes], speed, gbps
+    prefix = (lambda m: f"{m} ") if len(models) > 1 else (lambda m: "")
+    return [f"{prefix(m)}{b} x {c // 1024}k" for m, b, c in shapes], speed, gbps
 
 
 def plot(results: dict, out: Path, title: str) -> None:

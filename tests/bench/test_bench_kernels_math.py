@@ -54,11 +54,23 @@ def test_decode_table_reports_gbps_and_speed_vs_fa3(bk):
     assert saw.gbps == pytest.approx(bk.decode_bytes(32, 16384, "int4") / 0.8e-3 / 1e9)
     table = bk.render_decode_table([saw, broken, fa3], copy_gbps=4300.0)
     header, _, row = table.splitlines()[:3]
-    assert header == "| batch | context | fa3_bf16 | vllm_int4 | s4kv_saw |"
-    assert row.startswith("| 32 | 16,384 | 2,000 us")
+    assert header == "| shape (GQA) | batch | context | fa3_bf16 | vllm_int4 | s4kv_saw |"
+    assert row.startswith("| qwen2.5-7b (7) | 32 | 16,384 | 2,000 us")
     assert f"{saw.gbps:,.0f} GB/s, 2.50x" in row
     assert "failed: RuntimeError: illegal memory access |" in row
     assert "copy ceiling 4,300 GB/s" in table
+
+
+def test_each_attention_shape_has_its_rows_bytes_and_fa3(bk):
+    """Llama-3.1-8B's 8 KV heads move twice Qwen2.5-7B's 4 per token; each shape's ratio is to its own FA3."""
+    assert bk.decode_bytes(32, 4096, "int4", *bk.SHAPES["llama-3.1-8b"]) == 32 * 4096 * 8 * 136 + 2 * 32 * 32 * 128 * 2
+    timings = [bk.Timing("fa3_bf16", 32, 4096, 1.0, 10**9, shape="llama-3.1-8b"),
+               bk.Timing("s4kv_kivi", 32, 4096, 0.5, 10**9, 0.1, shape="llama-3.1-8b"),
+               bk.Timing("fa3_bf16", 32, 4096, 2.0, 10**9),
+               bk.Timing("s4kv_kivi", 32, 4096, 0.5, 10**9, 0.1)]
+    rows = bk.render_decode_table(timings, None).splitlines()[2:4]
+    assert rows[0].startswith("| qwen2.5-7b (7) | 32 | 4,096 |") and rows[0].endswith("4.00x |")
+    assert rows[1].startswith("| llama-3.1-8b (4) | 32 | 4,096 |") and rows[1].endswith("2.00x |")
 
 
 def test_fill_chunks_store_every_token_once_with_the_documented_rows(bk, monkeypatch):

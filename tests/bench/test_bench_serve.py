@@ -1,0 +1,141 @@
+"""`s4kv bench --serve` (runtime/bench_serve.py): the statistics and tables on hand-made records, the argument
+checks, and one real run: vLLM 0.26.0's OpenAI server on the CPU engine with int4_kivi, a tiny config.json (dummy
+weights, no tokenizer), driven through the openai client with a very short sweep (a few minutes, nearly all of it the
+server's start)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from s4kv.runtime import bench_serve, cli
+from s4kv.runtime.bench_serve import RequestRecord, SweepPoint
+
+TINY_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "vocab_size": 1000,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False, "sliding_window": None,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+KV_BYTES = 64 * 2**20
+
+
+def test_percentile_interpolates_like_numpy():
+    values = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert bench_serve.percentile(values, 50) == 3.0
+    assert bench_serve.percentile(values, 99) == pytest.approx(4.96)  # numpy.percentile(values, 99)
+    assert bench_serve.percentile(values, 0) == 1.0 and bench_serve.percentile([], 50) is None
+
+
+def test_a_point_counts_only_finished_requests_and_samples_the_gauges():
+    point = SweepPoint("rate", 4.0, 3)
+    records = [RequestRecord(ttft_s=0.1, e2e_s=0.5, output_tokens=4, itl_s=[0.1, 0.1, 0.2]),
+               RequestRecord(ttft_s=0.3, e2e_s=0.9, output_tokens=4, itl_s=[0.2, 0.2, 0.2]),
+               RequestRecord(error="APIConnectionError: refused")]
+    result = bench_serve.summarize_point(point, records, wall_s=2.0, gauges=[(1, 0), (2, 1), (3, 4)])
+    assert result["label"] == "rate 4/s" and result["requests"] == 3 and result["failed"] == 1
+    assert result["first_error"] == "APIConnectionError: refused"
+    assert result["output_tokens"] == 8 and result["output_tok_s"] == 4.0 and result["request_s"] == 1.0
+    assert result["ttft_p50_s"] == pytest.approx(0.2) and result["e2e_p99_s"] == pytest.approx(0.896)
+    assert result["itl_p50_s"] == pytest.approx(0.2) and result["itl_p99_s"] == pytest.approx(0.2)
+    assert result["running_mean"] == 2.0 and result["running_max"] == 3 and result["waiting_max"] == 4
+
+
+def _point(kind, value, ttft_p99, itl_p99=0.02, tok_s=100.0, failed=0):
+    return {"kind": kind, "value": value, "label": SweepPoint(kind, value, 8).label, "requests": 8, "failed": failed,
+            "output_tok_s": tok_s, "ttft_p50_s": ttft_p99 / 2, "ttft_p99_s": ttft_p99, "itl_p50_s": itl_p99 / 2,
+            "itl_p99_s": itl_p99, "e2e_p50_s": 1.0, "e2e_p99_s": 2.0, "running_mean": 3.0, "running_max": 5,
+            "waiting_max": 0}
+
+
+def _doc():
+    runs = [
+        {"format": "bf16_fa3", "label": "bf16 + FA3", "status": "ok", "kv_cache_tokens": 107824, "startup_s": 80.0,
+         "points": [_point("rate", 2, 0.5), _point("rate", 4, 2.5), _point("rate", 8, 0.9),
+                    _point("concurrency", 16, 0.4, tok_s=900.0)]},
+        {"format": "s4kv_kivi", "label": "s4kv int4_kivi", "status": "ok", "kv_cache_tokens": 403840,
+         "startup_s": 85.0,
+         "points": [_point("rate", 2, 0.4), _point("rate", 4, 0.6), _point("rate", 8, 1.9, itl_p99=0.03),
+                    {**asdict_point(SweepPoint("concurrency", 16, 8)), "skipped": "time budget"}]},
+    ]
+    return {"meta": {"model": "qwen2.5-7b-instruct.json", "input_len": 2048, "output_len": 256, "requests": 8,
+                     "gpu_memory_utilization": 0.16, "max_num_seqs": 256, "date": "2026-12-01"}, "runs": runs}
+
+
+def asdict_point(point: SweepPoint) -> dict:
+    return {"kind": point.kind, "value": point.value, "label": point.label}
+
+
+def test_sustained_rate_is_the_highest_rate_below_which_every_p99_ttft_passes():
+    """bf16 misses at 4/s: 8/s does not count even though it passes (an overloaded queue can drain by chance)."""
+    assert bench_serve.sustained_rates(_doc()) == {"bf16_fa3": 2, "s4kv_kivi": 8}
+
+
+def test_tables_and_plot_show_every_point_and_the_skipped_ones():
+    doc = _doc()
+    table = bench_serve.render_markdown(doc)
+    assert "| bf16 + FA3 | 107,824 | 80 s |" in table
+    assert "| rate 8/s | s4kv int4_kivi | 100 | 950 | 1,900 | 15 | 30 | 1,000 | 2,000 | 3 / 5 | 0 | 0 |" in table
+    assert "| concurrency 16 | s4kv int4_kivi | skipped: time budget |" in table
+    assert "highest request rate with p99 TTFT under 2 s: bf16 + FA3 2/s; s4kv int4_kivi 8/s" in table
+    svg = bench_serve.render_svg(doc)
+    assert svg.count('class="series"') == 2 + 2 + 1  # ITL and TTFT per format; concurrency: bf16 only
+    assert 'data-format="s4kv_kivi" data-panel="itl_p99_s"' in svg
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rates", "1,x"], "--rates must be a comma list of numbers"),
+    (["--concurrency", "0"], "--concurrency must be positive"),
+    (["--input-len", "4000", "--output-len", "200"], "exceeds --max-model-len 4096"),
+    (["--configs", "bf16_fa3,int8"], "unknown configs"),
+])
+def test_bad_sweeps_are_refused_before_any_server_starts(capsys, flags, message):
+    assert cli.main(["bench", "--serve", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_merge_joins_the_configurations_of_several_calls(tmp_path):
+    doc = _doc()
+    for i, run in enumerate(doc["runs"]):
+        (tmp_path / f"part{i}.json").write_text(json.dumps({"meta": doc["meta"], "runs": [run]}))
+    out = tmp_path / "merged"
+    assert cli.main(["bench", "--serve", "--merge", str(tmp_path / "part0.json"), str(tmp_path / "part1.json"),
+                     "--out", str(out)]) == 0
+    merged = json.loads((out / "serve.json").read_text())
+    assert [r["format"] for r in merged["runs"]] == ["bf16_fa3", "s4kv_kivi"]
+    assert (out / "serve.md").read_text() == bench_serve.render_markdown(doc)
+    assert (out / "serve.svg").read_text().startswith("<svg")
+
+
+@pytest.mark.slow
+def test_real_openai_server_on_the_cpu_engine(tmp_path):
+    """The path the H200 runs: a fixed KV budget (servers started side by side, here one), warm-up, one rate and one
+    concurrency point, every streamed token counted, the server's capacity line read."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("openai")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_QWEN2))
+    out = tmp_path / "out"
+    status = cli.main(["bench", "--serve", "--configs", "s4kv_kivi", "--model", str(config), "--out", str(out),
+                       "--rates", "8", "--concurrency", "2", "--requests", "3", "--input-len", "64",
+                       "--output-len", "8", "--max-model-len", "512", "--max-num-seqs", "4",
+                       "--server-arg=--enforce-eager", "--kv-cache-memory-bytes", str(KV_BYTES), "--budget-s", "900"])
+    doc = json.loads((out / "serve.json").read_text())
+    run = doc["runs"][0]
+    assert status == 0, run.get("error")
+    assert run["status"] == "ok"
+    # the fixed budget, in whole 128-token pages of 136 bytes per token, KV head and layer
+    assert run["kv_cache_tokens"] == KV_BYTES // (128 * 136 * 2) * 128
+    assert run["warmup"]["failed"] == 0
+    assert [p["label"] for p in run["points"]] == ["rate 8/s", "concurrency 2"]
+    for point in run["points"]:
+        assert point["failed"] == 0 and point["requests"] == 3, point
+        assert point["output_tokens"] == 3 * 8  # ignore_eos + min_tokens: every token streamed and counted
+        assert 0 < point["ttft_p50_s"] <= point["ttft_p99_s"] <= point["e2e_p99_s"]
+        assert point["itl_p99_s"] is not None and point["itl_p50_s"] <= point["itl_p99_s"]
+        assert point["output_tok_s"] == pytest.approx(24 / point["wall_s"])
+        assert math.isfinite(point["running_max"])
+    assert (out / "serve.md").is_file() and 'class="series"' in (out / "serve.svg").read_text()
