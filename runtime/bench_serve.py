@@ -329,24 +329,35 @@ def await_ready(server: Server, deadline: float | None) -> bool:
     return True
 
 
-def sweep(server: Server, vocab_size: int, args: argparse.Namespace, deadline: float | None) -> None:
-    """Warm-up requests, then every sweep point in turn (a point that would start past the deadline is skipped)."""
-    record = server.record
-    try:
-        warm = SweepPoint("concurrency", WARMUP_REQUESTS, WARMUP_REQUESTS)
-        warm_prompts = random_prompts(WARMUP_REQUESTS, args.input_len, vocab_size, seed=999)
-        record["warmup"] = asyncio.run(run_point(server.base_url, warm, warm_prompts, args.output_len, 0))
-        for i, point in enumerate(sweep_points(args.rate_values, args.concurrency_values, args.requests)):
+def sweep(servers: list[Server], vocab_size: int, args: argparse.Namespace, deadline: float | None) -> None:
+    """Warm-up requests on each server, then the sweep point by point, each point on every server in turn: a
+    deadline then cuts the heaviest points of every configuration, not whole configurations. A point that would
+    start past the deadline is skipped; a server that breaks keeps what it measured."""
+    live = []
+    for server in servers:
+        try:
+            warm = SweepPoint("concurrency", WARMUP_REQUESTS, WARMUP_REQUESTS)
+            warm_prompts = random_prompts(WARMUP_REQUESTS, args.input_len, vocab_size, seed=999)
+            server.record["warmup"] = asyncio.run(run_point(server.base_url, warm, warm_prompts, args.output_len, 0))
+            live.append(server)
+        except Exception as exc:
+            server.record.update(status="failed", error=f"warm-up: {type(exc).__name__}: {exc}")
+    for i, point in enumerate(sweep_points(args.rate_values, args.concurrency_values, args.requests)):
+        prompts = random_prompts(point.num_requests, args.input_len, vocab_size, seed=1000 + i)
+        for server in list(live):
             if deadline is not None and time.monotonic() > deadline:
-                record["points"].append({**asdict(point), "label": point.label, "skipped": "time budget"})
+                server.record["points"].append({**asdict(point), "label": point.label, "skipped": "time budget"})
                 continue
-            prompts = random_prompts(point.num_requests, args.input_len, vocab_size, seed=1000 + i)
-            result = asyncio.run(run_point(server.base_url, point, prompts, args.output_len, seed=i))
-            record["points"].append(result)
+            try:
+                result = asyncio.run(run_point(server.base_url, point, prompts, args.output_len, seed=i))
+            except Exception as exc:
+                server.record.update(status="failed", error=f"{point.label}: {type(exc).__name__}: {exc}")
+                live.remove(server)
+                continue
+            server.record["points"].append(result)
             print(f"[serve] {server.fmt_name:10s} {describe_point(result)}", flush=True)
-        record["status"] = "ok"
-    except Exception as exc:  # the server broke mid-sweep: keep what it measured
-        record.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+    for server in live:
+        server.record["status"] = "ok"
 
 
 def finish(server: Server) -> dict:
@@ -543,10 +554,8 @@ def run(args: argparse.Namespace) -> int:
         # others idle.
         servers = [start_server(fmt, model_dir, args, logs) for fmt in formats]
         try:
-            ready = [await_ready(server, deadline) for server in servers]
-            for server, ok in zip(servers, ready):
-                if ok:
-                    sweep(server, vocab_size, args, deadline)
+            ready = [server for server in servers if await_ready(server, deadline)]
+            sweep(ready, vocab_size, args, deadline)
         finally:
             for server in servers:
                 save(finish(server))
@@ -559,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
             server = start_server(fmt, model_dir, args, logs)
             try:
                 if await_ready(server, deadline):
-                    sweep(server, vocab_size, args, deadline)
+                    sweep([server], vocab_size, args, deadline)
             finally:
                 save(finish(server))
     write_outputs(doc, args.out)

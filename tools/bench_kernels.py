@@ -279,12 +279,8 @@ def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, blo
                         device=problem.device)
     for key, value, slots in problem.chunks(block_table, S4KV_BLOCK_SIZE):
         store_kv(key, value, cache, slots, scheme)
-    target = None
-    if programs_per_sm is not None:
-        target = programs_per_sm * torch.cuda.get_device_properties(problem.device).multi_processor_count
-    # target None: as our backend's builder allocates it
-    workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, problem.device,
-                                        target_programs=target)
+    per_sm = {} if programs_per_sm is None else {"programs_per_sm": programs_per_sm}  # none: as our backend's
+    workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, problem.device, **per_sm)
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
     launch = None if code_path is None else dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
     return lambda: paged_attention(problem.query, cache, block_table, seq_lens, cu_q, 1, HEAD_DIM ** -0.5, scheme,
