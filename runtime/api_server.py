@@ -22,7 +22,7 @@ import signal
 import sys
 from argparse import Namespace
 
-from .config import S4KVConfigError, check_vllm_config
+from .config import S4KVConfigError, as_sentence, check_vllm_config
 from .exit_codes import EXIT_BAD_INPUT, EXIT_ENGINE_DIED, EXIT_OK, EXIT_UNSUPPORTED
 
 WATCHDOG_INTERVAL_S = 0.5
@@ -92,9 +92,9 @@ def precheck(args: Namespace) -> None:
             message = message.rstrip(".") + "; lower --max-model-len."
         raise Refusal(EXIT_BAD_INPUT, message) from None
     except S4KVConfigError as err:  # our options, parsed by vLLM's config (bad JSON shape or values)
-        raise Refusal(EXIT_BAD_INPUT, str(err)) from None
+        raise Refusal(EXIT_BAD_INPUT, as_sentence(err)) from None
     except (ValueError, TypeError) as err:
-        raise Refusal(EXIT_BAD_INPUT, _one_line(str(err))) from None
+        raise Refusal(EXIT_BAD_INPUT, as_sentence(err).removeprefix("Error: ")) from None
     try:
         check_vllm_config(vllm_config)
     except S4KVConfigError as err:
@@ -110,11 +110,6 @@ def _validation_message(err) -> str:
     first = err.errors()[0]
     message = " ".join(str(first.get("msg", err)).split()).removeprefix("Value error, ")
     return message.split(". ", 1)[0].rstrip(".") + "."
-
-
-def _one_line(text: str) -> str:
-    line = " ".join(text.split()).removeprefix("Error: ")
-    return line if line.endswith(".") else line + "."
 
 
 async def serve(args: Namespace) -> int:

@@ -12,7 +12,7 @@ import sys
 
 from s4kv.kernels.layout import BYTES_PER_TOKEN, HEAD_DIM
 
-from .config import EngineFacts, ModelFacts, engine_rejections, model_rejections, read_model_config
+from .config import EngineFacts, ModelFacts, as_sentence, engine_rejections, model_rejections, read_model_config
 from .exit_codes import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED
 from .serve import add_scheme_arguments, scheme_config
 
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         supported, line = verdict(args.model, args)
     except (OSError, ValueError) as err:
-        print(f"s4kv check: {err}", file=sys.stderr)
+        print(f"s4kv check: {as_sentence(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(line)
     return EXIT_OK if supported else EXIT_UNSUPPORTED

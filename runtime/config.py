@@ -308,6 +308,12 @@ def missing_backend_message(config: S4KVConfig, selected: str | None) -> str:
     )
 
 
+def as_sentence(err: Exception) -> str:
+    """An error's message as printed on the command line: one line ending in a full stop."""
+    text = " ".join(str(err).split())
+    return text if text.endswith(".") else text + "."
+
+
 class S4KVConfigError(ValueError):
     """S4 KV cannot run with this model or these settings; the message holds one sentence per cause."""
 
@@ -340,7 +346,7 @@ def read_model_config(model: str) -> tuple[dict[str, Any], str]:
     if not path or not os.path.isfile(path):
         raise FileNotFoundError(
             f"no config.json for {model!r}: pass a local model folder, its config.json, or a Hugging Face id "
-            "already in the local cache (nothing is downloaded)"
+            "already in the local cache (nothing is downloaded)."
         )
     with open(path, encoding="utf-8") as handle:
         try:

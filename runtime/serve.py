@@ -26,6 +26,7 @@ from .config import (
     KV_CACHE_DTYPE,
     ModelFacts,
     S4KVConfig,
+    as_sentence,
     model_rejections,
     read_model_config,
 )
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         flags = serve_flags(args, api_key_set=api_key is not None)
         reasons = local_model_rejections(args)
     except ValueError as err:
-        print(f"s4kv serve: {err}", file=sys.stderr)
+        print(f"s4kv serve: {as_sentence(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if reasons:
         print(f"s4kv serve: {' '.join(reasons)}", file=sys.stderr)
