@@ -42,24 +42,27 @@ def main(argv: list[str]) -> int:
     import uvloop
 
     args = parse(argv)
-    try:
-        precheck(args)
-    except Refusal as refusal:
-        print(f"s4kv serve: {refusal}", file=sys.stderr)
-        return refusal.status
+    if (status := _refused(args)) is not None:
+        return status
     return uvloop.run(serve(args))
 
 
 def check_only(argv: list[str]) -> int:
     """`s4kv serve --dry-run`: the same checks, no server."""
-    args = parse(argv)
+    if (status := _refused(parse(argv))) is not None:
+        return status
+    print("s4kv serve: every check passed (dry run, nothing started).")
+    return EXIT_OK
+
+
+def _refused(args: Namespace) -> int | None:
+    """The exit status after printing the refusal, or None when every check passed."""
     try:
         precheck(args)
     except Refusal as refusal:
         print(f"s4kv serve: {refusal}", file=sys.stderr)
         return refusal.status
-    print("s4kv serve: every check passed (dry run, nothing started).")
-    return EXIT_OK
+    return None
 
 
 def parse(argv: list[str]) -> Namespace:
@@ -91,8 +94,8 @@ def precheck(args: Namespace) -> None:
         if "max_model_len" in message:
             message = message.rstrip(".") + "; lower --max-model-len."
         raise Refusal(EXIT_BAD_INPUT, message) from None
-    except S4KVConfigError as err:  # our options, parsed by vLLM's config (bad JSON shape or values)
-        raise Refusal(EXIT_BAD_INPUT, as_sentence(err)) from None
+    except S4KVConfigError as err:  # our checks, should vLLM resolve our backend while it builds the config
+        raise Refusal(EXIT_UNSUPPORTED, as_sentence(err)) from None
     except (ValueError, TypeError) as err:
         raise Refusal(EXIT_BAD_INPUT, as_sentence(err).removeprefix("Error: ")) from None
     try:
@@ -102,7 +105,7 @@ def precheck(args: Namespace) -> None:
 
 
 def _looks_like_path(model: str) -> bool:
-    return model.startswith(("/", "./", "../", "~")) or os.path.exists(model)
+    return model.startswith(("/", "./", "../")) or os.path.exists(model)
 
 
 def _validation_message(err) -> str:

@@ -78,7 +78,8 @@ REJECTED_MODELS = {
          "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "num_attention_heads": 8,
                          "num_key_value_heads": 4, "head_dim": 256, "num_hidden_layers": 34, "vocab_size": 262208,
                          "sliding_window": 1024, "rope_theta": 1000000.0,
-                         "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5 + ["sliding_attention"] * 4},
+                         "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5
+                         + ["sliding_attention"] * 4},
          "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}},
         ["head_dim 256", "sliding-window attention", "outside the Qwen2, Qwen2.5 and Llama-3 families"],
     ),
