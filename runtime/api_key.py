@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, Mapping
 KEY_FILE_ENV = "S4KV_API_KEY_FILE"
 KEY_ENV = "VLLM_API_KEY"
 MIDDLEWARE = f"{__name__}.ApiKeyMiddleware"  # the --middleware value vLLM imports
-OPEN_PATH = "/health"  # the load balancer's and systemd's liveness probe; says nothing about the model
+OPEN_PATH = "/health"  # the liveness probe of load balancers and monitors: 200 or 503, nothing about the model
 OPEN_METHODS = ("GET", "HEAD")
 
 Scope = Mapping[str, Any]

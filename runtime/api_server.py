@@ -83,6 +83,9 @@ def precheck(args: Namespace) -> None:
     from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
     from vllm.usage.usage_lib import UsageContext
 
+    if args.api_key:  # from a --config file: vLLM would log it with its non-default arguments
+        raise Refusal(EXIT_BAD_INPUT, "s4kv serve takes no api-key setting, not even in a --config file: put the "
+                                      "key in a file named by S4KV_API_KEY_FILE, or in VLLM_API_KEY.")
     model = args.model
     if _looks_like_path(model) and not os.path.isdir(model):
         raise Refusal(EXIT_BAD_INPUT, f"no model folder at {model}: give a local model folder or a Hugging Face id.")

@@ -78,14 +78,14 @@ def scheme_config(args: argparse.Namespace) -> S4KVConfig:
 def serve_flags(args: argparse.Namespace, api_key_set: bool) -> list[str]:
     """The `vllm serve` flags: S4 KV's (none for bf16), the key middleware when a key is set, then the user's own."""
     extra = args.extra
-    clashing = [arg for arg in extra if arg.split("=", 1)[0] in OWNED_FLAGS]
+    clashing = [arg for arg in extra if _flag_name(arg) in OWNED_FLAGS]
     attention_config = _flag_value(extra, "--attention-config") or _flag_value(extra, "-ac")
     if attention_config is not None and "backend" in attention_config:
         clashing.append(f"the backend in --attention-config {attention_config}")
     if clashing:
         raise ValueError(f"s4kv serve sets the KV cache dtype, the attention backend and the additional config "
                          f"itself; remove {' and '.join(clashing)}.")
-    if any(arg.split("=", 1)[0] in KEY_FLAGS for arg in extra):
+    if any(_flag_name(arg) in KEY_FLAGS for arg in extra):
         raise ValueError(
             "s4kv serve takes no --api-key (argv shows in every process listing and in vLLM's log): put the key "
             "in a file named by S4KV_API_KEY_FILE, or in VLLM_API_KEY."
@@ -136,10 +136,17 @@ def run(args: argparse.Namespace) -> int:
     return api_server.main(["--model", args.model, *flags])
 
 
+def _flag_name(arg: str) -> str:
+    """A flag as vLLM's parser reads it: --max_model_len and --max-model-len are the same flag."""
+    name = arg.split("=", 1)[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
 def _flag_value(extra: list[str], flag: str) -> str | None:
     for i, arg in enumerate(extra):
-        if arg == flag and i + 1 < len(extra):
-            return extra[i + 1]
-        if arg.startswith(f"{flag}="):
+        if _flag_name(arg) != flag:
+            continue
+        if "=" in arg:
             return arg.split("=", 1)[1]
+        return extra[i + 1] if i + 1 < len(extra) else None
     return None

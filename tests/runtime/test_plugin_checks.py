@@ -214,6 +214,8 @@ def test_serve_with_a_key_loads_the_middleware_and_never_prints_the_key(tmp_path
     (["--scheme", "int4_kivi", "--max-model-len", "100000"], EXIT_BAD_INPUT,
      ["max_model_len (100000) is greater than", "32768", "lower --max-model-len"]),
     (["--scheme", "int4_kivi", "--api-key", "sekrit"], EXIT_BAD_INPUT, ["takes no --api-key", "S4KV_API_KEY_FILE"]),
+    (["--scheme", "int4_kivi", "--api_key=sekrit"], EXIT_BAD_INPUT, ["takes no --api-key"]),
+    (["--scheme", "int4_kivi", "--kv_cache_dtype", "fp8"], EXIT_BAD_INPUT, ["remove --kv_cache_dtype"]),
     (["--scheme", "bf16", "--hadamard-block", "64"], EXIT_BAD_INPUT, ["--scheme bf16 takes none of them"]),
     (["--scheme", "int4_kivi", "--hadamard-block", "64"], EXIT_BAD_INPUT, ["unknown option(s) ['hadamard_block']"]),
 ])
@@ -361,3 +363,13 @@ def test_engine_check_on_engine_features(engine_kwargs, words, saw_accepted, tmp
     else:
         with pytest.raises(S4KVConfigError):
             check_vllm_config(saw)
+
+
+def test_serve_refuses_a_key_in_a_config_file(tmp_path, capsys):
+    """vLLM's --config YAML is read into the same arguments, and vLLM would log the key among them."""
+    (tmp_path / "serve.yaml").write_text("api-key: sekrit\n")
+    code, out = serve_dry_run(capsys, write_model_dir(tmp_path, "qwen", QWEN25_7B), "--scheme", "int4_kivi",
+                              "--config", str(tmp_path / "serve.yaml"))
+    assert code == EXIT_BAD_INPUT
+    assert_one_sentence_per_cause(refusal(out), ["not even in a --config file"])
+    assert "sekrit" not in out

@@ -365,3 +365,34 @@ def test_the_unit_file_is_valid_for_systemd(tmp_path):
     (tmp_path / "s4kv.service").write_text(text)
     done = subprocess.run([analyze, "verify", str(tmp_path / "s4kv.service")], capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
+
+
+def test_engine_death_while_loading_is_a_failure_the_unit_restarts(tmp_path):
+    """SIGKILL of the engine core while it loads the model (its worker exists, the server is not up yet)."""
+    log_path = tmp_path / "server.log"
+    command = [sys.executable, "-m", "s4kv.runtime.cli", "serve", bundled_model_dir(QWEN2), "--scheme", "int4_kivi",
+               "--port", str(free_port()), "--host", HOST, *CPU_ENGINE_ARGS]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    left_behind: set[int] = set()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        engine_core = None
+        while engine_core is None and time.monotonic() < deadline and process.poll() is None:
+            cores = [p for p in psutil.Process(process.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+            if cores and cores[0].children():  # the worker is up: the engine is loading the model
+                engine_core = cores[0]
+            time.sleep(0.2)
+        assert engine_core is not None, log_path.read_text()[-4000:]
+        left_behind = {p.pid for p in psutil.Process(process.pid).children(recursive=True)}
+        engine_core.send_signal(signal.SIGKILL)
+        status = process.wait(timeout=300)
+    finally:
+        stop(process)
+        for pid in left_behind:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert status not in (0, EXIT_BAD_INPUT, EXIT_UNSUPPORTED), log_path.read_text()[-4000:]
+    assert restarts_after(status)
