@@ -86,6 +86,11 @@ def precheck(args: Namespace) -> None:
     if args.api_key:  # from a --config file: vLLM would log it with its non-default arguments
         raise Refusal(EXIT_BAD_INPUT, "s4kv serve takes no api-key setting, not even in a --config file: put the "
                                       "key in a file named by S4KV_API_KEY_FILE, or in VLLM_API_KEY.")
+    other_servers = [flag for flag, given in (("--api-server-count", (args.api_server_count or 1) > 1),
+                                              ("--headless", args.headless), ("--grpc", args.grpc)) if given]
+    if other_servers:
+        raise Refusal(EXIT_BAD_INPUT, f"s4kv serve runs one HTTP API server process; remove "
+                                      f"{' and '.join(other_servers)}.")
     model = args.model
     if _looks_like_path(model) and not os.path.isdir(model):
         raise Refusal(EXIT_BAD_INPUT, f"no model folder at {model}: give a local model folder or a Hugging Face id.")

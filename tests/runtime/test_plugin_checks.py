@@ -215,6 +215,8 @@ def test_serve_with_a_key_loads_the_middleware_and_never_prints_the_key(tmp_path
      ["max_model_len (100000) is greater than", "32768", "lower --max-model-len"]),
     (["--scheme", "int4_kivi", "--api-key", "sekrit"], EXIT_BAD_INPUT, ["takes no --api-key", "S4KV_API_KEY_FILE"]),
     (["--scheme", "int4_kivi", "--api_key=sekrit"], EXIT_BAD_INPUT, ["takes no --api-key"]),
+    (["--scheme", "int4_kivi", "--api-server-count", "2", "--headless"], EXIT_BAD_INPUT,
+     ["runs one HTTP API server process", "remove --api-server-count and --headless"]),
     (["--scheme", "int4_kivi", "--kv_cache_dtype", "fp8"], EXIT_BAD_INPUT, ["remove --kv_cache_dtype"]),
     (["--scheme", "bf16", "--hadamard-block", "64"], EXIT_BAD_INPUT, ["--scheme bf16 takes none of them"]),
     (["--scheme", "int4_kivi", "--hadamard-block", "64"], EXIT_BAD_INPUT, ["unknown option(s) ['hadamard_block']"]),
