@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from s4kv.runtime import capacity, catalog, model_shapes
+from s4kv.runtime.sizing import capacity, catalog, model_shapes
 
 MAPPING_NAME = "ServingPlans"
 

@@ -12,8 +12,8 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from s4kv.runtime import catalog
-from s4kv.runtime.capacity import SCHEME_FORMAT
+from s4kv.runtime.sizing import catalog
+from s4kv.runtime.sizing.capacity import SCHEME_FORMAT
 
 FLAVOURS = ("dlami", "marketplace")
 DEFAULT_MODEL = "Qwen/Qwen2.5-7B-Instruct"

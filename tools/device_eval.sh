@@ -21,6 +21,6 @@ for m in $MODELS; do
   # shellcheck disable=SC2086
   python3 -m s4kv.runtime.cli eval "$m" --out-dir "$OUT" --enforce-eager ${EVAL_ARGS:-} >"$OUT/$name-vllm.log" 2>&1 \
     || { status=1; echo "FAILED (a format or the run), end of $OUT/$name-vllm.log:"; tail -30 "$OUT/$name-vllm.log"; }
-  [ -f "$OUT/$name-vllm.json" ] && python3 -m s4kv.runtime.eval_report "$OUT/$name-vllm.json"
+  [ -f "$OUT/$name-vllm.json" ] && python3 -m s4kv.runtime.eval.report "$OUT/$name-vllm.json"
 done
 exit $status

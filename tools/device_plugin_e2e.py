@@ -49,7 +49,7 @@ KV_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 def kv_kwargs(kind: str) -> dict:
     """Engine kwargs for one KV format: bf16, fp8, int4_per_token_head (vLLM's own) or an S4 KV scheme, the
     latter optionally with speculative decoding (``int4_saw+ngram``)."""
-    from s4kv.runtime.tiny_model import NGRAM_DRAFTS, SPECULATIVE_SUFFIX
+    from s4kv.runtime.bundled_models import NGRAM_DRAFTS, SPECULATIVE_SUFFIX
 
     if kind.endswith(SPECULATIVE_SUFFIX):
         return dict(kv_kwargs(kind.removesuffix(SPECULATIVE_SUFFIX)), speculative_config=NGRAM_DRAFTS)
@@ -61,7 +61,7 @@ def kv_kwargs(kind: str) -> dict:
 
 
 def tiny_models() -> dict[str, str]:
-    from s4kv.runtime.tiny_model import LLAMA3, QWEN2, bundled_model_dir
+    from s4kv.runtime.bundled_models import LLAMA3, QWEN2, bundled_model_dir
 
     return {"qwen2": bundled_model_dir(QWEN2), "llama3": bundled_model_dir(LLAMA3)}
 
@@ -129,7 +129,7 @@ def capacity_phase(out: str, env: dict, deadline: float) -> dict:
 # phase 2: engine matrix (one worker per model runner x graph mode)
 # ---------------------------------------------------------------------------------------------------------------
 def long_context(turns: int) -> str:
-    from s4kv.runtime.tiny_model import FACTS, chat_text
+    from s4kv.runtime.bundled_models import FACTS, chat_text
 
     return "".join(chat_text(*FACTS[i % len(FACTS)]) for i in range(turns))
 
@@ -141,7 +141,7 @@ def attention_impls(model) -> list[str]:
 def engine_checks(model: str, kind: str, eager: bool) -> dict:
     from vllm import LLM, SamplingParams
 
-    from s4kv.runtime.tiny_model import FACTS, chat_text
+    from s4kv.runtime.bundled_models import FACTS, chat_text
 
     with open(os.path.join(model, "config.json")) as handle:
         config = json.load(handle)
@@ -200,7 +200,7 @@ def matrix_worker(name: str, eager: bool) -> None:
 
 def judge_matrix(results: dict) -> list[str]:
     """Failures of one worker's results, as lines."""
-    from s4kv.runtime.tiny_model import SPECULATIVE_SUFFIX
+    from s4kv.runtime.bundled_models import SPECULATIVE_SUFFIX
 
     failures = []
     for name in tiny_models():
@@ -231,8 +231,8 @@ def judge_matrix(results: dict) -> list[str]:
 def server_worker(model: str, scheme: str, raw_vllm: bool, out: str, timeout_s: float, extra: list[str]) -> dict:
     from openai import BadRequestError, OpenAI
 
-    from s4kv.runtime.demo import stop, wait_until_healthy
-    from s4kv.runtime.tiny_model import FACTS, chat_text
+    from s4kv.runtime.cli.demo import stop, wait_until_healthy
+    from s4kv.runtime.bundled_models import FACTS, chat_text
 
     port, served = free_port(), "tiny"
     # CUDA graphs on (the default), captured for batch sizes up to 32 only: a shorter start on a shared GPU

@@ -18,9 +18,9 @@ import torch
 from transformers import AutoTokenizer
 
 from s4kv.kernels.scheme import Int4Scheme
-from s4kv.runtime.eval_data import Regime, build_inputs, load_heldout
-from s4kv.runtime.eval_torch import TORCH_FORMATS, PagedInt4Cache, load_model, teacher_forced
-from s4kv.runtime.quality import compare_teacher_forced
+from s4kv.runtime.eval.data import Regime, build_inputs, load_heldout
+from s4kv.runtime.eval.torch_engine import TORCH_FORMATS, PagedInt4Cache, load_model, teacher_forced
+from s4kv.runtime.eval.metrics import compare_teacher_forced
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from s4kv.runtime.tiny_model import build
+from s4kv.runtime.bundled_models import build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

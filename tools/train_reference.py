@@ -5,7 +5,7 @@ Reads the corpus and tokenizer that tools/build_corpus.py wrote to .corpus/, tok
 each model for a fixed wall-clock budget (bf16 autocast, fp32 master weights, AdamW, cosine schedule sized
 from the measured step time). Each model is saved in bf16 with its config, tokenizer, training statistics
 and model card, and packed as ``OUT/<name>.tar`` (one file per model: the device call returns at most 8
-files of at most 16 MiB). The key outlier-channel analysis (s4kv.runtime.key_stats) runs on each model
+files of at most 16 MiB). The key outlier-channel analysis (s4kv.runtime.eval.key_stats) runs on each model
 before and after training and goes into the log and the model card.
 
 usage (GPU, see tools/device_train.sh):  python tools/train_reference.py --out $OUT
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from s4kv.runtime.key_stats import format_table, model_key_stats
+from s4kv.runtime.eval.key_stats import format_table, model_key_stats
 
 REPO = Path(__file__).resolve().parent.parent
 DOC_SEPARATOR = "<|endoftext|>"
@@ -250,7 +250,7 @@ def train_one(spec: ModelSpec, tokens: torch.Tensor, args, vocab_size: int, sepa
 # ----------------------------------------------------------------------------- saving
 
 def model_card(stats: dict, spec: ModelSpec) -> str:
-    from s4kv.runtime.key_stats import OUTLIER_FACTOR
+    from s4kv.runtime.eval.key_stats import OUTLIER_FACTOR
 
     curve = stats["train_loss_curve"]
     trained, random = stats["key_stats_trained"], stats["key_stats_random_init"]

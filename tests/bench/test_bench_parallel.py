@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from bench_helpers import bench_args
 
-from s4kv.runtime import bench, bench_report, cli
-from s4kv.runtime.bench_engine import engine_kwargs, replica_prompts, token_prompts, wait_for_replicas
-from s4kv.runtime.bench_matrix import (ALL_WORKLOADS, ENGINE_START_S, EXTRA_WORKLOADS, FULL_CARD, MEASURED_WALL_S,
+from s4kv.runtime.bench import runner as bench, report as bench_report
+from s4kv.runtime import cli
+from s4kv.runtime.bench.engine import engine_kwargs, replica_prompts, token_prompts, wait_for_replicas
+from s4kv.runtime.bench.matrix import (ALL_WORKLOADS, ENGINE_START_S, EXTRA_WORKLOADS, FULL_CARD, MEASURED_WALL_S,
                                        WORKLOADS, EngineSettings, ModelScale, expected_engine_s, parse_names)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,8 +32,8 @@ DP2 = EngineSettings(gpu_memory_utilization=0.90, max_num_seqs=256, data_paralle
 # after the same barrier the real engine uses. Rank 1 of s4kv_saw crashes at once; rank 0 then waits forever.
 FAKE_REPLICA = textwrap.dedent("""
     import json, os, sys, time
-    from s4kv.runtime.bench_engine import RESULT_PREFIX, replica_prompts, wait_for_replicas
-    from s4kv.runtime.bench_matrix import Workload
+    from s4kv.runtime.bench.engine import RESULT_PREFIX, replica_prompts, wait_for_replicas
+    from s4kv.runtime.bench.matrix import Workload
     spec = json.load(open(sys.argv[1]))
     replica = spec.get("replica") or {"rank": 0, "size": 1}
     print("CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))

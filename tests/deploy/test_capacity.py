@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deploy_support import REPO
-from s4kv.runtime import capacity, catalog, model_shapes
+from s4kv.runtime.sizing import capacity, catalog, model_shapes
 
 QWEN7B_CONFIG = REPO / "configs" / "qwen2.5-7b-instruct.json"
 

@@ -145,7 +145,7 @@ def test_outputs_explain_endpoint_key_and_capacity(serving):
 
 
 def test_mapping_rows_are_the_capacity_plans(synthesis):
-    from s4kv.runtime import capacity, catalog, model_shapes
+    from s4kv.runtime.sizing import capacity, catalog, model_shapes
 
     model = model_shapes.load("Qwen/Qwen2.5-7B-Instruct")
     plans = synthesis.template("S4kvServing")["Mappings"]["ServingPlans"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from s4kv.runtime.quality import (
+from s4kv.runtime.eval.metrics import (
     Greedy,
     TeacherForced,
     compare_teacher_forced,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from s4kv.kernels.layout import BYTES_PER_TOKEN
-from s4kv.runtime.tiny_model import FACTS, LLAMA3, QWEN2, bundled_model_dir
+from s4kv.runtime.bundled_models import FACTS, LLAMA3, QWEN2, bundled_model_dir
 
 pytest.importorskip("vllm")
 JOB = Path(__file__).with_name("cpu_engine_job.py")

@@ -17,7 +17,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from s4kv.runtime import catalog, model_shapes
+from s4kv.runtime.sizing import catalog, model_shapes
 
 GPU_MEMORY_UTILIZATION = 0.90
 # Per GPU, outside vLLM's KV pool but inside its memory budget: CUDA context, CUDA graphs and the

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .bench_engine import RESULT_PREFIX
-from .bench_matrix import ALL_WORKLOADS, BASELINE, FORMATS, EngineSettings
+from .engine import RESULT_PREFIX
+from .matrix import ALL_WORKLOADS, BASELINE, FORMATS, EngineSettings
 
 KV_CACHE_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 # issue 4's targets for our schemes, as ratios to bf16 + FA3

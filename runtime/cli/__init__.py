@@ -12,12 +12,12 @@ import sys
 
 SUBCOMMANDS = {
     # name: (module under s4kv.runtime, one-line help)
-    "serve": ("serve", "serve a model with int4 KV through vLLM's OpenAI-compatible server"),
-    "check": ("check", "say whether a model is supported, from its config.json, without loading weights"),
-    "demo": ("demo", "offline quick start: serve the bundled model with int4 KV and ask it a question"),
-    "capacity": ("capacity", "KV capacity and vLLM settings for a model on an EC2 instance type"),
-    "eval": ("evaluate", "quality of each KV format against bf16 KV on the same prompts"),
-    "bench": ("bench", "end-to-end throughput of each KV format, one engine per configuration"),
+    "serve": ("cli.serve", "serve a model with int4 KV through vLLM's OpenAI-compatible server"),
+    "check": ("cli.check", "say whether a model is supported, from its config.json, without loading weights"),
+    "demo": ("cli.demo", "offline quick start: serve the bundled model with int4 KV and ask it a question"),
+    "capacity": ("sizing.capacity", "KV capacity and vLLM settings for a model on an EC2 instance type"),
+    "eval": ("eval.evaluate", "quality of each KV format against bf16 KV on the same prompts"),
+    "bench": ("bench.runner", "end-to-end throughput of each KV format, one engine per configuration"),
 }
 
 
@@ -47,6 +47,3 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     return int(module.run(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

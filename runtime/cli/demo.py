@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
-from .tiny_model import FACTS, QWEN2, bundled_model_dir
+from s4kv.runtime.bundled_models import FACTS, QWEN2, bundled_model_dir
 
 SERVED_NAME = "s4kv-demo"
 # Small settings so the CPU engine starts quickly and holds little memory; a GPU gets vLLM's defaults.

@@ -1,6 +1,6 @@
 """One engine process of `s4kv bench`: start vLLM with one KV format, run a group of workloads, print the result.
 
-Run by runtime/bench.py as ``python -m s4kv.runtime.bench_engine SPEC.json``; a fresh process per
+Run by runtime/bench.py as ``python -m s4kv.runtime.bench.engine SPEC.json``; a fresh process per
 configuration keeps GPU memory, compile caches and CUDA graphs of one format out of the next one's
 numbers. The result is one stdout line, ``RESULT_PREFIX`` + JSON; the parent reads it and vLLM's
 "GPU KV cache size: N tokens" from the process's combined log.
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .bench_matrix import FORMATS, Workload
+from .matrix import FORMATS, Workload
 
 RESULT_PREFIX = "S4KV_BENCH_RESULT "
 # First id of Qwen2's special tokens: prompts stay below it so no request looks like a control sequence.
@@ -162,5 +162,5 @@ def main(spec_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m s4kv.runtime.bench_engine SPEC.json")
+        sys.exit("usage: python -m s4kv.runtime.bench.engine SPEC.json")
     main(sys.argv[1])

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_matrix import BASELINE, FORMATS, STANDARD_FORMATS
-from .eval_data import DEFAULT_HELDOUT, Regime, RegimeInputs, build_inputs, describe, load_heldout
-from .quality import Greedy, TeacherForced, compare_teacher_forced, greedy_match
+from s4kv.runtime.bench.matrix import BASELINE, FORMATS, STANDARD_FORMATS
+from .data import DEFAULT_HELDOUT, Regime, RegimeInputs, build_inputs, describe, load_heldout
+from .metrics import Greedy, TeacherForced, compare_teacher_forced, greedy_match
 
 ENGINES = ("vllm", "torch")
 
@@ -110,7 +110,7 @@ def vllm_records(args, model: str, fmt: str, inputs: list[RegimeInputs], max_len
     spec_path.write_text(json.dumps(spec))
     log_path = workdir / f"{fmt}.log"
     with log_path.open("w") as log:
-        done = subprocess.run([sys.executable, "-m", "s4kv.runtime.eval_vllm", str(spec_path)], stdout=log,
+        done = subprocess.run([sys.executable, "-m", "s4kv.runtime.eval.vllm_engine", str(spec_path)], stdout=log,
                               stderr=subprocess.STDOUT)
     if done.returncode:
         tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
@@ -147,7 +147,7 @@ def evaluate(args, save=lambda result: None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     inputs = build_inputs(tokenizer, load_heldout(Path(args.heldout)), regimes_from(args, max_len))
     if args.engine == "torch":
-        from .eval_torch import TORCH_FORMATS, load_model, run_format
+        from .torch_engine import TORCH_FORMATS, load_model, run_format
 
         model = load_model(args.model, args.device)
 
@@ -187,7 +187,7 @@ def evaluate(args, save=lambda result: None) -> dict:
 
 
 def run(args) -> int:
-    from .eval_report import markdown_table, plot, render_target_check
+    from .report import markdown_table, plot, render_target_check
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,8 +26,8 @@ from s4kv.kernels.hadamard import block_hadamard
 from s4kv.kernels.layout import HEAD_DIM, cache_shape
 from s4kv.kernels.scheme import Int4Scheme
 
-from .eval_data import RegimeInputs
-from .quality import Greedy, TeacherForced
+from .data import RegimeInputs
+from .metrics import Greedy, TeacherForced
 from .torch_kv import KVTransform, kv_transform
 
 BLOCK_SIZE = 128

@@ -1,6 +1,6 @@
 """One vLLM engine of `s4kv eval`: start vLLM with one KV format, score the windows, generate from the prompts.
 
-Run by runtime/evaluate.py as ``python -m s4kv.runtime.eval_vllm SPEC.json``, one process per format, so each
+Run by runtime/evaluate.py as ``python -m s4kv.runtime.eval.vllm_engine SPEC.json``, one process per format, so each
 format gets a clean GPU and vLLM's process tree ends with it. SPEC holds the model, the format name
 (runtime/bench_matrix.FORMATS), engine settings and the token ids; the records are written to SPEC["out"]
 as an .npz (per regime: top-k ids and log-probs, target log-probs, greedy tokens).
@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from .bench_matrix import FORMATS
+from s4kv.runtime.bench.matrix import FORMATS
 
 
 def flat_records(flat, targets: list[int], top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -47,7 +47,7 @@ def forced_records(llm, windows: list[list[int]], prefill: int, top_k: int):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from .forced_tokens import FORCED_KEY
+    from s4kv.runtime.plugin.forced_tokens import FORCED_KEY
 
     params = [SamplingParams(max_tokens=len(w) - prefill, temperature=0.0, ignore_eos=True, logprobs=top_k,
                              flat_logprobs=True, detokenize=False, extra_args={FORCED_KEY: w[prefill:]})
@@ -70,7 +70,7 @@ def run(spec: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from .forced_tokens import ForcedTokens
+    from s4kv.runtime.plugin.forced_tokens import ForcedTokens
 
     fmt = FORMATS[spec["format"]]
     top_k = spec["top_k"]
@@ -91,5 +91,5 @@ def run(spec: dict) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m s4kv.runtime.eval_vllm SPEC.json")
+        raise SystemExit("usage: python -m s4kv.runtime.eval.vllm_engine SPEC.json")
     run(json.loads(open(sys.argv[1]).read()))

@@ -12,7 +12,7 @@ import sys
 
 from s4kv.kernels.layout import BYTES_PER_TOKEN, HEAD_DIM
 
-from .config import EngineFacts, ModelFacts, engine_rejections, model_rejections, read_model_config
+from s4kv.runtime.plugin.config import EngineFacts, ModelFacts, engine_rejections, model_rejections, read_model_config
 from .serve import add_scheme_arguments, scheme_config
 
 BF16_BYTES_PER_TOKEN = 2 * 2 * HEAD_DIM  # K and V, 2 bytes per channel, per KV head

@@ -4,7 +4,7 @@ vLLM calls ``register()`` once in every process (front end, engine core, workers
 vLLM config is visible here. The plugin therefore only writes class paths into vLLM's attention-backend registry;
 which class runs is decided when vLLM resolves a path inside a worker, where the config is current:
 
-* ``CUSTOM`` -> ``s4kv.runtime.backend.S4KVAttentionBackend`` (the CUDA path, Triton kernels). vLLM's CUDA selector
+* ``CUSTOM`` -> ``s4kv.runtime.plugin.backend.S4KVAttentionBackend`` (the CUDA path, Triton kernels). vLLM's CUDA selector
   calls its ``validate_configuration``, which runs our checks (``config.check_vllm_config``).
 * The backends vLLM would pick on its own (CPU_ATTN on the CPU; FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION on
   CUDA) are routed through this module: with no ``additional_config["s4kv"]`` the route hands back vLLM's own class,
@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from s4kv.runtime.config import VLLM_VERSION, S4KVConfigError, check_vllm_config, find_options
+from s4kv.runtime.plugin.config import VLLM_VERSION, S4KVConfigError, check_vllm_config, find_options
 
 # A child of the "vllm" logger, so vLLM's own log configuration prints our lines in every process.
 logger = logging.getLogger("vllm.s4kv")
 
-GPU_BACKEND = "s4kv.runtime.backend.S4KVAttentionBackend"
-CPU_BACKEND = "s4kv.runtime.cpu_backend.S4KVCpuAttentionBackend"
+GPU_BACKEND = "s4kv.runtime.plugin.backend.S4KVAttentionBackend"
+CPU_BACKEND = "s4kv.runtime.plugin.cpu_backend.S4KVCpuAttentionBackend"
 # The enum members vLLM selects by itself for a dense decoder, per platform; each is routed through ROUTE_PREFIX.
 ROUTED_CUDA_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 ROUTED_CPU_BACKENDS = ("CPU_ATTN",)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from xml.sax.saxutils import escape
 
-from .bench_matrix import FORMATS
-from .bench_report import Row
+from .matrix import FORMATS
+from .report import Row
 
 COLORS = {"bf16_fa3": "#4c72b0", "fp8_fa3": "#8172b2", "vllm_int4": "#c44e52",
           "s4kv_kivi": "#55a868", "s4kv_saw": "#dd8452", "s4kv_saw_rotv": "#937860"}

@@ -18,7 +18,7 @@ import os
 import shlex
 import sys
 
-from .config import (
+from s4kv.runtime.plugin.config import (
     ATTENTION_BACKEND,
     CONFIG_KEY,
     KV_CACHE_DTYPE,

@@ -1,7 +1,7 @@
 """`s4kv bench`: end-to-end throughput of each KV format on the issue-4 workloads, one engine per configuration.
 
 For every selected engine setting (workloads that share gpu_memory_utilization and max_num_seqs run in
-one engine) and every selected KV format, a fresh ``python -m s4kv.runtime.bench_engine`` process
+one engine) and every selected KV format, a fresh ``python -m s4kv.runtime.bench.engine`` process
 starts vLLM with dummy weights from a config.json, runs the workloads and reports; this process only
 orchestrates, so it imports neither torch nor vLLM. Results are saved after every engine, so a run
 cut short by a device-call limit keeps what it measured; ``--merge`` joins the results of several
@@ -30,13 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench_report, model_shapes
-from .bench_matrix import (ALL_WORKLOADS, FORMATS, MEASURED_START_MARGIN, STANDARD_FORMATS, WORKLOADS, EngineSettings,
+from . import report as bench_report
+from s4kv.runtime.sizing import model_shapes
+from .matrix import (ALL_WORKLOADS, FORMATS, MEASURED_START_MARGIN, STANDARD_FORMATS, WORKLOADS, EngineSettings,
                            ModelScale, Workload, engine_groups, expected_engine_s, parse_names)
-from .bench_plot import render_svg
+from .plot import render_svg
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "configs" / "qwen2.5-7b-instruct.json"
-ENGINE_MODULE = "s4kv.runtime.bench_engine"  # the tests swap in a stand-in engine
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "configs" / "qwen2.5-7b-instruct.json"
+ENGINE_MODULE = "s4kv.runtime.bench.engine"  # the tests swap in a stand-in engine
 EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Interrupt)\b")
 
 

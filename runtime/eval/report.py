@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .bench_matrix import FORMATS
-from .bench_plot import COLORS
-from .quality import ratio_interval
+from s4kv.runtime.bench.matrix import FORMATS
+from s4kv.runtime.bench.plot import COLORS
+from .metrics import ratio_interval
 
 # (key in a regime's metrics, column title, format string)
 COLUMNS = [
@@ -131,7 +131,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m s4kv.runtime.eval_report RESULT.json...``: the tables for docs/quality.md, with their commands."""
+    """``python -m s4kv.runtime.eval.report RESULT.json...``: the tables for docs/quality.md, with their commands."""
     import json
 
     for path in argv:
