@@ -1,7 +1,7 @@
 """`s4kv bench` on several GPUs (issue 6), without a GPU: the --tensor-parallel-size / --data-parallel-size options,
 the engine arguments and replica environments they give, time budgets scaled to a 70B at TP 2, data-parallel
 replicas with a stand-in engine (split requests, barrier, summed throughput, a failing replica ends the other),
-the table rows of several layouts and models, and tools/device_parallel.sh's dry run."""
+the table rows of several layouts and models, and tools/device/parallel.sh's dry run."""
 
 import argparse
 import json

@@ -1,5 +1,5 @@
-"""tools/device_parallel.sh's `serve` step without a GPU: stand-ins for nvidia-smi and for the server worker of
-tools/device_plugin_e2e.py (a fake python3 that prints the worker's RESULT line) check that both servers start
+"""tools/device/parallel.sh's `serve` step without a GPU: stand-ins for nvidia-smi and for the server worker of
+tools/device/plugin_e2e.py (a fake python3 that prints the worker's RESULT line) check that both servers start
 side by side with the right layout flags, that their results land in $OUT/serve.json and the logs tarball, and
 that one failed check fails the step with its name, and that a step with too little time left is skipped, not
 started with a timeout it cannot meet."""

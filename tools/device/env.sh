@@ -1,5 +1,5 @@
 # Sourced (not run) by the device scripts, from the repository root on the lent GPU machine:
-#   . tools/device_env.sh
+#   . tools/device/env.sh
 # 1. vLLM 0.26.0 from the offline bundle (.vlb/, carried along; shared/devicekit/README.md), installed once per
 #    machine into $VLLM_SITE (default /tmp/site). S4KV_NEEDS_VLLM=0 skips it (kernel tests, training).
 # 2. This checkout importable as installed (the GPU machine is offline: no pip): s4kv.runtime -> runtime/,

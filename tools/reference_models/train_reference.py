@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Train the two reference models (Qwen2-style and Llama-3-style, head_dim 128, GQA) in one GPU call.
 
-Reads the corpus and tokenizer that tools/build_corpus.py wrote to .corpus/, tokenizes once, then trains
+Reads the corpus and tokenizer that tools/reference_models/build_corpus.py wrote to .corpus/, tokenizes once, then trains
 each model for a fixed wall-clock budget (bf16 autocast, fp32 master weights, AdamW, cosine schedule sized
 from the measured step time). Each model is saved in bf16 with its config, tokenizer, training statistics
 and model card, and packed as ``OUT/<name>.tar`` (one file per model: the device call returns at most 8
 files of at most 16 MiB). The key outlier-channel analysis (s4kv.runtime.eval.key_stats) runs on each model
 before and after training and goes into the log and the model card.
 
-usage (GPU, see tools/device_train.sh):  python tools/train_reference.py --out $OUT
+usage (GPU, see tools/device/train.sh):  python tools/reference_models/train_reference.py --out $OUT
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from s4kv.runtime.eval.key_stats import format_table, model_key_stats
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOC_SEPARATOR = "<|endoftext|>"
 
 
@@ -267,10 +267,10 @@ heads of head_dim 128, MLP {spec.intermediate_size}, vocabulary {stats['vocab_si
 - Parameters: {stats['parameters'] / 1e6:.2f}M, stored in bf16 (`model.safetensors`)
 - Tokenizer: byte-level BPE, {stats['vocab_size']} tokens, trained on the same corpus; every text is prefixed with
   `<|endoftext|>` (the document separator, also bos/eos)
-- Data: the offline English corpus of `tools/build_corpus.py` (Debian documentation packages, dictionaries,
+- Data: the offline English corpus of `tools/reference_models/build_corpus.py` (Debian documentation packages, dictionaries,
   Shakespeare, the King James Bible; {stats['corpus_tokens'] / 1e6:.0f}M tokens); sources and licences in
   `data/corpus/SOURCES.md`. The held-out documents (`data/eval/heldout.jsonl`) were not trained on.
-- Training: `tools/train_reference.py` on {stats['device']}, {stats['steps']} steps of {stats['batch_size']} x \
+- Training: `tools/reference_models/train_reference.py` on {stats['device']}, {stats['steps']} steps of {stats['batch_size']} x \
 {stats['seq_len']} tokens ({stats['tokens_seen'] / 1e6:.2f}M tokens, {stats['seconds']:.0f} s wall time), AdamW, peak lr \
 {stats['peak_lr']}, {stats.get('precision', 'bf16 autocast')}
 - Loss: train {curve[0][1]:.2f} (first {curve[0][0]} steps) -> {curve[-1][1]:.2f}; held-out {stats['heldout_loss_init']:.2f} \
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus, out = Path(args.corpus), Path(args.out)
     for needed in (corpus / "train.txt.xz", corpus / "tokenizer.json", Path(args.heldout)):
         if not needed.exists():
-            raise SystemExit(f"missing {needed}: run tools/build_corpus.py first (and carry .corpus to the GPU)")
+            raise SystemExit(f"missing {needed}: run tools/reference_models/build_corpus.py first (and carry .corpus to the GPU)")
     out.mkdir(parents=True, exist_ok=True)
     log_file = (out / "train_log.txt").open("a")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two device jobs side by side on a 2-GPU machine (kind nvidia-h200-x2), one per GPU, in one call:
-#   bash tools/device_pair.sh 'JOB FOR GPU 0' 'JOB FOR GPU 1'
-# e.g. training (tools/device_train.sh) beside the kernel tests, or quality evaluation beside a benchmark: GPU
+#   bash tools/device/pair.sh 'JOB FOR GPU 0' 'JOB FOR GPU 1'
+# e.g. training (tools/device/train.sh) beside the kernel tests, or quality evaluation beside a benchmark: GPU
 # work that does not need both GPUs at once costs half the device time. Each job is a bash command line run from
 # the repository root with CUDA_VISIBLE_DEVICES set to its GPU and OUT=$OUT/gpuN; its output goes to
 # $OUT/gpuN/job.log and, prefixed with [gpuN], to this script's output. The jobs share the host (32 cores): timings
@@ -9,7 +9,7 @@
 # Back in $OUT: pair.tar.gz (both jobs' folders; a device call returns at most 8 files) and pair.log.
 # Exit status: 0 when both jobs succeed, else the first failing job's.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 : "${OUT:?OUT must be set (the device call sets it)}"
 [ $# -eq 2 ] || { echo "usage: device_pair.sh 'JOB FOR GPU 0' 'JOB FOR GPU 1'"; exit 2; }
 export PYTHONUNBUFFERED=1

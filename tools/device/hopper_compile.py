@@ -8,7 +8,7 @@ the real wrappers (``paged_attention``, ``store_kv``, ``gather_dense_kv``) on sm
 configuration the backend uses. The kernels are specialized exactly as on the GPU (argument types, 16-byte
 alignment of pointers and strides, constexprs, warps and stages); nothing runs.
 
-    python tools/hopper_compile.py          # compile them all; prints one line per kernel variant
+    python tools/device/hopper_compile.py          # compile them all; prints one line per kernel variant
 
 Must run in a process where TRITON_INTERPRET is unset (the interpreter replaces @triton.jit).
 """

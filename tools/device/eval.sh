@@ -3,16 +3,16 @@
 #
 # Once, here (the offline vLLM bundle, about 52 MB, git-ignored):
 #   mkdir -p .vlb && cp /work/shared/devicekit/{vllm026-*.tar.xz,*.sh,*.py,SHA256SUMS} .vlb/
-# Then: device run, carry [".vlb"], timeout_s 600:   bash tools/device_eval.sh
+# Then: device run, carry [".vlb"], timeout_s 600:   bash tools/device/eval.sh
 # (a warm machine that already has /tmp/site/vllm needs no carry). About 6-7 minutes: the bundle install
 # (~60 s) and five vLLM engines per model (eager mode, ~30 s each). MODELS="models/x models/y" overrides
 # the model list; EVAL_ARGS adds `s4kv eval` options. Comes back in $OUT: <model>-vllm.json/.png/.log.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 : "${OUT:?OUT must be set (the device call sets it)}"
 MODELS=${MODELS:-"models/s4kv-ref-qwen2 models/s4kv-ref-llama3"}
 for m in $MODELS; do [ -f "$m/config.json" ] || { echo "no $m/config.json: train and commit the models first"; exit 2; }; done
-. tools/device_env.sh  # vLLM from .vlb once per machine, the s4kv import shim, the environment
+. tools/device/env.sh  # vLLM from .vlb once per machine, the s4kv import shim, the environment
 export TOKENIZERS_PARALLELISM=false
 status=0
 for m in $MODELS; do

@@ -7,15 +7,15 @@
 #       (256 x 1024 in / 256 out), throughput summed (what `vllm serve --data-parallel-size N` runs for a dense model)
 # each for s4kv int4_kivi, bf16 + FA3 and s4kv int4_saw, in that order, through `s4kv bench` (docs/parallel.md).
 #   serve  the OpenAI server under both layouts, side by side, each checked with the official openai client
-#       (tools/device_plugin_e2e.py's server checks): `s4kv serve --tensor-parallel-size N` (int4_kivi, tiny Qwen2)
+#       (tools/device/plugin_e2e.py's server checks): `s4kv serve --tensor-parallel-size N` (int4_kivi, tiny Qwen2)
 #       and raw `vllm serve --data-parallel-size N --attention-backend CUSTOM` (int4_saw, tiny Llama-3); ~3 minutes.
 #
-# Once, here (the bundle, about 52 MB, git-ignored; the same as for tools/device_bench.sh):
+# Once, here (the bundle, about 52 MB, git-ignored; the same as for tools/device/bench.sh):
 #   echo /.vlb/ >> .git/info/exclude
 #   mkdir -p .vlb && cp /work/shared/devicekit/{vllm026-*.tar.xz,*.sh,*.py,SHA256SUMS} .vlb/
 # Then one device call, kind nvidia-h200-x2, carry [".vlb"], timeout_s 600:
-#   bash tools/device_parallel.sh                 # = tp dp: both layouts, every configuration that fits
-#   bash tools/device_parallel.sh serve dp tp=s4kv_saw  # a later call: the servers, then what the first skipped
+#   bash tools/device/parallel.sh                 # = tp dp: both layouts, every configuration that fits
+#   bash tools/device/parallel.sh serve dp tp=s4kv_saw  # a later call: the servers, then what the first skipped
 # A step is `serve`, or `tp` or `dp` optionally with `=CONFIGS` (a comma list for `s4kv bench --configs`, started
 # in that order).
 # Everything shares LIMIT_S (default 570 s) from this script's start, the bundle's install included: each step's
@@ -23,7 +23,7 @@
 # reason. Back in $OUT (up to 6 files): results.json, table.md, plot.svg (all steps merged), logs.tar.gz (every
 # engine's and server's log), serve.json (the server checks) and parallel.log (this script's output). DRY_RUN=1 prints the plans and stops (no GPU).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 : "${OUT:?OUT must be set (the device call sets it)}"
 limit=${LIMIT_S:-570}
 PY=${PYTHON:-python3}
@@ -47,11 +47,11 @@ say() { echo "$*" | tee -a "$log"; }
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   gpus=${GPUS:-2}
-  S4KV_NEEDS_VLLM=0 . tools/device_env.sh  # the s4kv import shim only: plans need no vLLM and no GPU
+  S4KV_NEEDS_VLLM=0 . tools/device/env.sh  # the s4kv import shim only: plans need no vLLM and no GPU
 else
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [ "${gpus:-0}" -ge 2 ] || { say "needs 2 or more GPUs, found ${gpus:-0}: run it on kind nvidia-h200-x2"; exit 2; }
-  . tools/device_env.sh  # vLLM from .vlb once per machine, the s4kv import shim (every worker loads the plugin)
+  . tools/device/env.sh  # vLLM from .vlb once per machine, the s4kv import shim (every worker loads the plugin)
   say "[parallel] vLLM ready after ${SECONDS} s"
   { nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
     nvidia-smi topo -m; } 2>&1 | tee -a "$log" || true
@@ -66,7 +66,7 @@ rm -rf "$work" && mkdir -p "$work"
 status=0
 
 # The serve step: two servers side by side (tiny models, 0.08 of each GPU), each through the openai client checks
-# of tools/device_plugin_e2e.py (chat, completions, streaming, n=3, stop, max_tokens, HTTP 400, concurrency, /health).
+# of tools/device/plugin_e2e.py (chat, completions, streaming, n=3, stop, max_tokens, HTTP 400, concurrency, /health).
 SERVERS=("tp$gpus int4_kivi models/tiny-qwen2 s4kv --tensor-parallel-size $gpus"
          "dp$gpus int4_saw models/tiny-llama3 raw --data-parallel-size $gpus")
 SERVE_MIN_S=180  # start (~60-100 s each, side by side) plus the client checks, with a margin
@@ -75,7 +75,7 @@ serve_step() {  # $1: seconds left
   mkdir -p "$dir/logs"
   for server in "${SERVERS[@]}"; do
     read -r name scheme model how flags <<<"$server"
-    local cmd=("$PY" tools/device_plugin_e2e.py server --out "$dir/logs" --scheme "$scheme" --model "$PWD/$model"
+    local cmd=("$PY" tools/device/plugin_e2e.py server --out "$dir/logs" --scheme "$scheme" --model "$PWD/$model"
                --timeout-s "$(($1 - 60))" "--vllm-args=$flags")
     [ "$how" = raw ] && cmd+=(--raw)
     say "[serve] $name: ${cmd[*]}"

@@ -1,6 +1,6 @@
-"""Plot tools/bench_kernels.py's decode results: speed against FA3 and achieved bandwidth, per shape and method.
+"""Plot tools/device/bench_kernels.py's decode results: speed against FA3 and achieved bandwidth, per shape and method.
 
-    python tools/plot_kernels.py docs/results/2026-11-30-h200-s2/call1_kernels.json --out kernels.svg
+    python tools/device/plot_kernels.py docs/results/2026-11-30-h200-s2/call1_kernels.json --out kernels.svg
 
 Left: FA3's time / the method's time (above 1 = faster than bf16 FlashAttention-3). Right: bytes that must
 move / time, against the device-to-device copy ceiling measured in the same run. Shapes are batch x context.
@@ -62,7 +62,7 @@ def plot(results: dict, out: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, help="kernels.json from tools/bench_kernels.py")
+    parser.add_argument("results", type=Path, help="kernels.json from tools/device/bench_kernels.py")
     parser.add_argument("--out", type=Path, required=True, help="image to write (.svg or .png)")
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())

@@ -2,7 +2,7 @@
 int4 prefix gathered into a dense bf16 buffer with the fresh tokens, then FA3) against vLLM's FA3 on a bf16
 paged cache. One call, about a minute.
 
-python tools/bench_prefill.py   (needs vLLM 0.26.0's vllm_flash_attn, e.g. from shared/devicekit)
+python tools/device/bench_prefill.py   (needs vLLM 0.26.0's vllm_flash_attn, e.g. from shared/devicekit)
 FLOPs counted: 4 * q_len * (visible keys) * Hq * 128 per sequence (QK^T and PV, causal half on the new part).
 """
 

