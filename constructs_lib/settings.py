@@ -68,7 +68,9 @@ class DeploySettings:
             return default if value in (None, "") else value
 
         regions = get("regions", "")
-        regions = tuple(r.strip() for r in regions.split(",") if r.strip()) if isinstance(regions, str) else tuple(regions)
+        if isinstance(regions, str):
+            regions = (r.strip() for r in regions.split(",") if r.strip())
+        regions = tuple(regions)
         return cls(
             model_id=get("modelId", DEFAULT_MODEL),
             instance_type=get("instanceType", DEFAULT_INSTANCE),

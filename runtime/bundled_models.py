@@ -5,7 +5,8 @@ Why trained and not random: a memorizing model answers with large logit margins,
 yardstick (int4 KV must reproduce the bf16 answer), and the offline demo prints a readable answer.
 The same weights are written as a Llama-3-shaped folder (rope_theta 5e5, the Llama-3 hallmark S4 KV's family check
 uses) and as a Qwen2-shaped folder (zero q/k/v biases, so both compute the same function).
-Used by ``tools/reference_models/make_tiny_model.py``, ``s4kv demo`` and the tests; the result is committed under ``models/``.
+Used by ``tools/reference_models/make_tiny_model.py``, ``s4kv demo`` and the tests; the result is committed under
+``models/``.
 """
 
 from __future__ import annotations

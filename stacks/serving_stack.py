@@ -132,7 +132,8 @@ class GpuServingStack(Stack):
             param("DeepLearningAmi", type="AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>",
                   default=DLAMI_SSM_PARAMETER, description="Public SSM parameter of the AWS Deep Learning AMI")
             param("S4kvPipSpec", type="String", default=settings.s4kv_pip_spec, allowed_pattern=PIP_SPEC_PATTERN,
-                  description="pip requirement of the S4 KV plugin: s4kv==VERSION, git+https://...@COMMIT or a wheel URL")
+                  description="pip requirement of the S4 KV plugin: "
+                              "s4kv==VERSION, git+https://...@COMMIT or a wheel URL")
         return p
 
     def _outputs(self, server, api_key, log_group, plan_value, vllm_args) -> None:

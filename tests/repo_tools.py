@@ -13,9 +13,10 @@ DEVICE_TOOLS = Path(__file__).resolve().parents[1] / "tools" / "device"
 
 
 def run_compile_only_tool(name: str, *args: str, cache_dir: Path) -> subprocess.CompletedProcess:
-    """Run tools/device/<name>.py in its own process without TRITON_INTERPRET (it compiles for sm_90, tools/device/hopper_compile.py)
-    and with a fresh Triton cache, so every kernel is compiled for real, not read from an earlier run."""
+    """Run tools/device/<name>.py in its own process without TRITON_INTERPRET (it compiles for sm_90,
+    tools/device/hopper_compile.py) and with a fresh Triton cache, so every kernel is compiled for real, not read from
+    an earlier run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(cache_dir)
-    return subprocess.run([sys.executable, str(DEVICE_TOOLS / f"{name}.py"), *args], env=env, cwd=DEVICE_TOOLS.parents[1],
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run([sys.executable, str(DEVICE_TOOLS / f"{name}.py"), *args], env=env,
+                          cwd=DEVICE_TOOLS.parents[1], capture_output=True, text=True, timeout=900)

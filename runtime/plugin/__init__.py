@@ -4,8 +4,8 @@ vLLM calls ``register()`` once in every process (front end, engine core, workers
 vLLM config is visible here. The plugin therefore only writes class paths into vLLM's attention-backend registry;
 which class runs is decided when vLLM resolves a path inside a worker, where the config is current:
 
-* ``CUSTOM`` -> ``s4kv.runtime.plugin.backend.S4KVAttentionBackend`` (the CUDA path, Triton kernels). vLLM's CUDA selector
-  calls its ``validate_configuration``, which runs our checks (``config.check_vllm_config``).
+* ``CUSTOM`` -> ``s4kv.runtime.plugin.backend.S4KVAttentionBackend`` (the CUDA path, Triton kernels). vLLM's CUDA
+  selector calls its ``validate_configuration``, which runs our checks (``config.check_vllm_config``).
 * The backends vLLM would pick on its own (CPU_ATTN on the CPU; FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION on
   CUDA) are routed through this module: with no ``additional_config["s4kv"]`` the route hands back vLLM's own class,
   unchanged. With our options it either fails start-up with one sentence (for example ``--attention-backend CUSTOM``

@@ -5,8 +5,8 @@ exactly that, ``uint8[num_blocks, num_kv_heads, block_size * 136]`` (kernels/lay
 The store runs in ``do_kv_cache_update`` (before attention, as for TRITON_ATTN). Decode tokens read the int4 cache
 directly (memory-bound: 3.8x fewer bytes than bf16). Prefill chunks are compute-bound, so their sequences' K/V
 (int4 prefix dequantized + the chunk's fresh K/V) are gathered into a dense buffer and run through vLLM's own
-FlashAttention (FA3 on Hopper, FA2 elsewhere); the batch is reordered decodes-first to split it. The CPU path (cpu_backend.py) reuses the backend, metadata and
-builder defined here and swaps the kernels for the torch reference.
+FlashAttention (FA3 on Hopper, FA2 elsewhere); the batch is reordered decodes-first to split it. The CPU path
+(cpu_backend.py) reuses the backend, metadata and builder defined here and swaps the kernels for the torch reference.
 """
 
 from __future__ import annotations

@@ -127,12 +127,14 @@ def plan(
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if context is not None and not 0 < context <= model.max_position_embeddings:
-        raise ValueError(f"context must be in 1..{model.max_position_embeddings} (max_position_embeddings of {model.name}), got {context}")
+        raise ValueError(f"context must be in 1..{model.max_position_embeddings} "
+                         f"(max_position_embeddings of {model.name}), got {context}")
     target = context or model.max_position_embeddings
     fmt = KV_FORMATS[SCHEME_FORMAT[scheme]]
     sizes = _valid_tensor_parallel(model, instance.gpu_count)
     if not sizes:
-        raise DoesNotFit(f"{model.name}: {model.num_heads} attention heads cannot be split over {instance.gpu_count} GPUs")
+        raise DoesNotFit(
+            f"{model.name}: {model.num_heads} attention heads cannot be split over {instance.gpu_count} GPUs")
 
     def tokens(tp: int) -> int:
         return _blocks_per_gpu(model, instance, tp, gpu_memory_utilization, fmt) * fmt.block_size
@@ -156,10 +158,12 @@ def plan(
 # --- command line ---------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="config.json path, model folder, or model id (local HF cache or built-in)")
+    parser.add_argument("--model", required=True,
+                        help="config.json path, model folder, or model id (local HF cache or built-in)")
     parser.add_argument("--instance", required=True, help="EC2 instance type, e.g. g6.xlarge (see runtime/catalog.py)")
     parser.add_argument("--context", type=int, default=None, help="tokens per request (default: the model's maximum)")
-    parser.add_argument("--scheme", default="int4_kivi", choices=sorted(SCHEME_FORMAT), help="KV scheme the settings are for")
+    parser.add_argument("--scheme", default="int4_kivi", choices=sorted(SCHEME_FORMAT),
+                        help="KV scheme the settings are for")
     parser.add_argument("--gpu-memory-utilization", type=float, default=GPU_MEMORY_UTILIZATION)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -170,7 +174,8 @@ def _report(plan_: Plan, model: model_shapes.ModelShape, instance: catalog.Insta
         f"{model.name} on {instance.name}: {instance.gpu_count}x {instance.gpu_model} "
         f"({instance.gpu_mib} MiB each), {instance.vcpus} vCPU, {instance.memory_mib // 1024} GiB RAM",
         f"weights ~{plan_.weight_bytes / 1e9:.1f} GB ({model.num_params / 1e9:.2f}B params x "
-        f"{model.weight_bytes_per_param:g} B); tensor parallel {plan_.tensor_parallel}, data parallel {plan_.data_parallel}",
+        f"{model.weight_bytes_per_param:g} B); "
+        f"tensor parallel {plan_.tensor_parallel}, data parallel {plan_.data_parallel}",
         f"{'KV format':<10}{'bytes/token':>12}{'tokens/replica':>16}{f'requests @{plan_.context}':>20}{'vs bf16':>9}",
     ]
     for row in plan_.capacity:

@@ -1,4 +1,5 @@
-"""CPU checks of tools/device/bench_kernels.py: the bytes it counts, its shuffled page tables and slot ids, its tables."""
+"""CPU checks of tools/device/bench_kernels.py: the bytes it counts, its shuffled page tables and slot ids, its
+tables."""
 
 import pytest
 import torch

@@ -21,14 +21,16 @@ if [ "$1" = - ]; then exec {python} "$@"; fi
 echo "argv: $*"
 stop=true
 case "$*" in *data-parallel-size*) [ -n "${{FAIL_DP:-}}" ] && stop=false;; esac
-echo "RESULT {{\\"startup_s\\": 1.0, \\"kv_line\\": \\"986,880\\", $(printf '\\"%s\\": true, ' {checks}) \\"stop\\": $stop}}"
+checks="$(printf '\\"%s\\": true, ' {checks})"
+echo "RESULT {{\\"startup_s\\": 1.0, \\"kv_line\\": \\"986,880\\", $checks \\"stop\\": $stop}}"
 """
 
 
 def run_serve(tmp_path: Path, fail_dp: bool, limit_s: int = 300) -> tuple[subprocess.CompletedProcess, Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\n[ \"$1\" = -L ] && printf 'GPU 0: H200\\nGPU 1: H200\\n'\n"
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\n"
+                                        "[ \"$1\" = -L ] && printf 'GPU 0: H200\\nGPU 1: H200\\n'\n"
                                         "exit 0\n")
     checks = " ".join(c for c in CHECKS if c != "stop")
     (bin_dir / "python3").write_text(FAKE_PYTHON.format(python=sys.executable, checks=checks))

@@ -1,4 +1,5 @@
-"""tools/reference_models/kv_variants.py on a tiny model: every variant is measured against the bf16 reference, which matches itself
+"""tools/reference_models/kv_variants.py on a tiny model: every variant is measured against the bf16 reference,
+which matches itself
 exactly, and the quantized variants differ from it."""
 
 from __future__ import annotations

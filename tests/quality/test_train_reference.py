@@ -1,4 +1,5 @@
-"""tools/reference_models/train_reference.py end to end on the CPU: a few steps on a small corpus, then load what it saved.
+"""tools/reference_models/train_reference.py end to end on the CPU: a few steps on a small corpus, then load what it
+saved.
 
 The real run is on the H200 (tools/device/train.sh); this catches a broken script before a GPU call is spent.
 """

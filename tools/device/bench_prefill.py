@@ -92,7 +92,8 @@ def main():
         for method, ms in timings.items():
             rows.append(dict(seqs=n, prefix=prefix, q_len=q_len, method=method, ms=ms, tflops=fl / ms / 1e9,
                              vs_fa3=timings["fa3_bf16_paged"] / ms))
-            print(f"seqs={n} prefix={prefix:<6d} new={q_len:<5d} {method:24s} {ms*1e3:9.1f} us {fl/ms/1e9:6.0f} TFLOP/s "
+            print(f"seqs={n} prefix={prefix:<6d} new={q_len:<5d} {method:24s} {ms*1e3:9.1f} us "
+                  f"{fl/ms/1e9:6.0f} TFLOP/s "
                   f"{timings['fa3_bf16_paged']/ms:5.2f}x FA3", flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "bench_prefill.json"), "w") as f:
         json.dump(rows, f, indent=1)

