@@ -12,8 +12,8 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from s4kv.runtime.schemes import DEFAULT_SCHEME, SCHEME_FORMAT, ServedScheme
 from s4kv.runtime.sizing import catalog
-from s4kv.runtime.sizing.capacity import SCHEME_FORMAT
 
 FLAVOURS = ("dlami", "marketplace")
 DEFAULT_MODEL = "Qwen/Qwen2.5-7B-Instruct"
@@ -30,7 +30,7 @@ MODEL_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?$")  # a Hugg
 class DeploySettings:
     model_id: str = DEFAULT_MODEL
     instance_type: str = DEFAULT_INSTANCE
-    scheme: str = "int4_kivi"
+    scheme: ServedScheme = DEFAULT_SCHEME
     allowed_cidr: str | None = None
     regions: tuple[str, ...] = ()
     flavour: str = "dlami"
@@ -74,7 +74,7 @@ class DeploySettings:
         return cls(
             model_id=get("modelId", DEFAULT_MODEL),
             instance_type=get("instanceType", DEFAULT_INSTANCE),
-            scheme=get("scheme", "int4_kivi"),
+            scheme=get("scheme", DEFAULT_SCHEME),
             allowed_cidr=get("allowedCidr"),
             regions=regions,
             flavour=get("flavour", "dlami"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
+
 MAX_MODEL_LEN = 20480  # the issue-4 baseline: long prompts are 16384 + 256 tokens
 # Engine start (torch.compile + CUDA graphs for a 7B shape, 45-70 s on the H200) plus the warm-up.
 ENGINE_START_S = 80
@@ -42,13 +44,11 @@ FORMATS: dict[str, KVFormat] = {
         KVFormat("fp8_fa3", "fp8 + FA3", "fp8", "FLASH_ATTN"),
         KVFormat("vllm_int4", "vLLM int4_per_token_head", "int4_per_token_head", "TRITON_ATTN"),
         # Our schemes reuse int4_per_token_head's page budget through the CUSTOM backend slot (issue 3).
-        KVFormat("s4kv_kivi", "s4kv int4_kivi", "int4_per_token_head", "CUSTOM",
-                 {"s4kv": {"scheme": "int4_kivi"}}),
-        KVFormat("s4kv_saw", "s4kv int4_saw", "int4_per_token_head", "CUSTOM",
-                 {"s4kv": {"scheme": "int4_saw"}}),
+        KVFormat("s4kv_kivi", f"s4kv {KIVI}", KV_CACHE_DTYPE, ATTENTION_BACKEND, {CONFIG_KEY: {"scheme": KIVI}}),
+        KVFormat("s4kv_saw", f"s4kv {SAW}", KV_CACHE_DTYPE, ATTENTION_BACKEND, {CONFIG_KEY: {"scheme": SAW}}),
         # an option of int4_saw measured beside the defaults: values rotated like keys, as vLLM's int4 does
-        KVFormat("s4kv_saw_rotv", "s4kv int4_saw, rotated values", "int4_per_token_head", "CUSTOM",
-                 {"s4kv": {"scheme": "int4_saw", "rotate_values": True}}),
+        KVFormat("s4kv_saw_rotv", f"s4kv {SAW}, rotated values", KV_CACHE_DTYPE, ATTENTION_BACKEND,
+                 {CONFIG_KEY: {"scheme": SAW, "rotate_values": True}}),
     )
 }
 # issues 4 and 5's formats: what `s4kv bench --configs all` and `s4kv eval` run unless told otherwise

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 
 from s4kv.runtime.bundled_models import FACTS, QWEN2, bundled_model_dir
+from s4kv.runtime.schemes import DEFAULT_SCHEME, SCHEMES
 
 SERVED_NAME = "s4kv-demo"
 # Small settings so the CPU engine starts quickly and holds little memory; a GPU gets vLLM's defaults.
@@ -25,7 +26,7 @@ STARTUP_TIMEOUT_S = 600
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scheme", choices=("int4_kivi", "int4_saw"), default="int4_kivi")
+    parser.add_argument("--scheme", choices=SCHEMES, default=DEFAULT_SCHEME)
     parser.add_argument("--model", default=None, help=f"model folder (default: the bundled models/{QWEN2})")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--question", default=FACTS[0][0])

@@ -19,9 +19,6 @@ import shlex
 import sys
 
 from s4kv.runtime.plugin.config import (
-    ATTENTION_BACKEND,
-    CONFIG_KEY,
-    KV_CACHE_DTYPE,
     EngineFacts,
     ModelFacts,
     S4KVConfig,
@@ -29,6 +26,8 @@ from s4kv.runtime.plugin.config import (
     model_rejections,
     read_model_config,
 )
+from s4kv.runtime.schemes import (ATTENTION_BACKEND, CONFIG_KEY, DEFAULT_HADAMARD_BLOCK, DEFAULT_SCHEME, KV_CACHE_DTYPE,
+                                  SAW_HADAMARD_BLOCKS, SCHEMES)
 
 ACCEPTS_EXTRA_ARGS = True  # everything s4kv does not know goes to `vllm serve`
 # Flags s4kv serve sets itself; passing them too would silently run another KV format.
@@ -37,10 +36,11 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 def add_scheme_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    parser.add_argument("--scheme", choices=("int4_kivi", "int4_saw"), required=required,
-                        default=None if required else "int4_kivi", help="S4 KV scheme")
-    parser.add_argument("--hadamard-block", type=int, choices=(32, 64, 128),
-                        help="int4_saw: size of the block-diagonal Hadamard rotation (default 128)")
+    parser.add_argument("--scheme", choices=SCHEMES, required=required,
+                        default=None if required else DEFAULT_SCHEME, help="S4 KV scheme")
+    parser.add_argument("--hadamard-block", type=int, choices=SAW_HADAMARD_BLOCKS,
+                        help="int4_saw: size of the block-diagonal Hadamard rotation "
+                             f"(default {DEFAULT_HADAMARD_BLOCK})")
     parser.add_argument("--rotate-values", action="store_true", help="int4_saw: rotate values too")
     parser.add_argument("--allow-unsupported-model", action="store_true",
                         help="run a model outside the Qwen2/Qwen2.5/Llama-3 families")

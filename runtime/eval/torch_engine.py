@@ -25,6 +25,7 @@ from s4kv.kernels import reference as ref
 from s4kv.kernels.hadamard import block_hadamard
 from s4kv.kernels.layout import HEAD_DIM, cache_shape
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.runtime.schemes import KIVI, SAW
 
 from .data import RegimeInputs
 from .metrics import Greedy, TeacherForced
@@ -113,9 +114,9 @@ TORCH_FORMATS: dict[str, TransformFactory] = {
     "bf16_fa3": lambda prefill_tokens=None: round_to(torch.bfloat16),
     "fp8_fa3": lambda prefill_tokens=None: fp8_e4m3,
     "vllm_int4": lambda prefill_tokens=None: RotatedPerTokenInt4(),
-    "s4kv_kivi": lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme("int4_kivi"), prefill_tokens),
-    "s4kv_saw": lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme("int4_saw"), prefill_tokens),
-    "s4kv_saw_rotv": lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme("int4_saw", rotate_values=True),
+    "s4kv_kivi": lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme(KIVI), prefill_tokens),
+    "s4kv_saw": lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme(SAW), prefill_tokens),
+    "s4kv_saw_rotv": lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme(SAW, rotate_values=True),
                                                                 prefill_tokens),
 }
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from s4kv.runtime.plugin.config import VLLM_VERSION, S4KVConfigError, check_vllm_config, find_options
+from s4kv.runtime.plugin.config import S4KVConfigError, check_vllm_config, find_options
+from s4kv.runtime.plugin.version import vllm_version_mismatch
 
 # A child of the "vllm" logger, so vLLM's own log configuration prints our lines in every process.
 logger = logging.getLogger("vllm.s4kv")
@@ -72,11 +73,13 @@ def incompatibility() -> str | None:
     import vllm
 
     from s4kv.kernels.layout import PageLayout
+    from s4kv.runtime.schemes import KV_CACHE_DTYPE
 
-    from .config import BLOCK_SIZE, KV_CACHE_DTYPE
+    from .config import BLOCK_SIZE
 
-    if vllm.__version__.split("+")[0] != VLLM_VERSION:
-        return f"S4 KV supports vLLM {VLLM_VERSION} only, found vLLM {vllm.__version__}."
+    version_problem = vllm_version_mismatch(vllm.__version__)
+    if version_problem is not None:
+        return version_problem
     try:
         from vllm.config.cache import CacheDType
         from vllm.v1.attention.backend import AttentionBackend

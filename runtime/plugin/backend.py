@@ -29,8 +29,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from s4kv.kernels.layout import HEAD_DIM, cache_shape
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
 
-from .config import ATTENTION_BACKEND, BLOCK_SIZE, CONFIG_KEY, KV_CACHE_DTYPE, S4KVConfigError, check_vllm_config
+from .config import BLOCK_SIZE, S4KVConfigError, check_vllm_config
 
 
 class S4KVAttentionBackend(AttentionBackend):
@@ -90,7 +91,7 @@ class S4KVAttentionBackend(AttentionBackend):
         if config is None:
             return (
                 f'the {ATTENTION_BACKEND} attention backend is S4 KV and needs its options: additional_config '
-                f'{{"{CONFIG_KEY}": {{"scheme": "int4_kivi"}}}} (or "int4_saw").'
+                f'{{"{CONFIG_KEY}": {{"scheme": "{KIVI}"}}}} (or "{SAW}").'
             )
         return None
 

@@ -15,13 +15,10 @@ from typing import Any, Mapping
 
 from s4kv.kernels.layout import HEAD_DIM, KIVI_BLOCK_SIZE
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE
 
-CONFIG_KEY = "s4kv"  # additional_config key
-VLLM_VERSION = "0.26.0"
-# vLLM 0.26 cannot learn a new --kv-cache-dtype string from a plugin; ours reuse this one's page budget (136 B per token
-# and KV head, see kernels/layout.py).
-KV_CACHE_DTYPE = "int4_per_token_head"
-ATTENTION_BACKEND = "CUSTOM"
+from .version import VLLM_VERSION, vllm_version_mismatch
+
 # One page per kernel block of 128 tokens for both schemes (a KIVI key group is one full page).
 BLOCK_SIZE = KIVI_BLOCK_SIZE
 # Our own option next to the scheme's options: run a model outside the families the schemes were validated on.
@@ -45,7 +42,7 @@ class S4KVConfig:
     def parse(cls, options: Any) -> "S4KVConfig":
         if not isinstance(options, Mapping):
             raise ValueError(
-                f'additional_config["{CONFIG_KEY}"] must be an object like {{"scheme": "int4_kivi"}}, got {options!r}'
+                f'additional_config["{CONFIG_KEY}"] must be an object like {{"scheme": "{KIVI}"}}, got {options!r}'
             )
         scheme_options = dict(options)
         allow = scheme_options.pop(ALLOW_UNSUPPORTED_MODEL, False)
@@ -196,8 +193,9 @@ class EngineFacts:
 def engine_rejections(config: S4KVConfig, engine: EngineFacts) -> list[str]:
     scheme = config.scheme.name
     reasons = []
-    if engine.vllm_version.split("+")[0] != VLLM_VERSION:
-        reasons.append(f"S4 KV supports vLLM {VLLM_VERSION} only, found vLLM {engine.vllm_version}.")
+    version_problem = vllm_version_mismatch(engine.vllm_version)
+    if version_problem is not None:
+        reasons.append(version_problem)
     if engine.attention_backend != ATTENTION_BACKEND:
         reasons.append(missing_backend_message(config, engine.attention_backend))
     if engine.kv_cache_dtype != KV_CACHE_DTYPE:

@@ -17,6 +17,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from s4kv.runtime.schemes import DEFAULT_SCHEME, HEAD_DIM, KV_FORMATS, SCHEME_FORMAT, KvFormat, ServedScheme
 from s4kv.runtime.sizing import catalog, model_shapes
 
 GPU_MEMORY_UTILIZATION = 0.90
@@ -25,20 +26,6 @@ GPU_MEMORY_UTILIZATION = 0.90
 RUNTIME_RESERVE_MIB = 2048
 MIN_MODEL_LEN = 4096  # below this a deployment is not useful for chat; the instance does not fit
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
-S4KV_HEAD_DIM = 128  # both S4 KV schemes are built for head_dim 128 (kernels/layout.py)
-
-
-@dataclass(frozen=True)
-class KvFormat:
-    name: str
-    block_size: int
-
-    def bytes_per_head_token(self, head_dim: int) -> int:
-        return {"bf16": 4 * head_dim, "fp8": 2 * head_dim, "int4": head_dim + 8}[self.name]
-
-
-KV_FORMATS = {"bf16": KvFormat("bf16", 16), "fp8": KvFormat("fp8", 16), "int4": KvFormat("int4", 128)}
-SCHEME_FORMAT = {"int4_kivi": "int4", "int4_saw": "int4", "bf16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -112,7 +99,7 @@ def _format_capacity(model, instance, tp: int, dp: int, gmu: float, fmt: KvForma
 def plan(
     model: model_shapes.ModelShape,
     instance: catalog.InstanceType,
-    scheme: str = "int4_kivi",
+    scheme: ServedScheme = DEFAULT_SCHEME,
     context: int | None = None,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
 ) -> Plan:
@@ -122,8 +109,8 @@ def plan(
     model length shrinks to what fits (at least MIN_MODEL_LEN), else DoesNotFit."""
     if scheme not in SCHEME_FORMAT:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEME_FORMAT)}")
-    if SCHEME_FORMAT[scheme] == "int4" and model.head_dim != S4KV_HEAD_DIM:
-        raise DoesNotFit(f"{model.name}: S4 KV schemes need head_dim {S4KV_HEAD_DIM}, the model has {model.head_dim}")
+    if SCHEME_FORMAT[scheme] == "int4" and model.head_dim != HEAD_DIM:
+        raise DoesNotFit(f"{model.name}: S4 KV schemes need head_dim {HEAD_DIM}, the model has {model.head_dim}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if context is not None and not 0 < context <= model.max_position_embeddings:
@@ -162,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="config.json path, model folder, or model id (local HF cache or built-in)")
     parser.add_argument("--instance", required=True, help="EC2 instance type, e.g. g6.xlarge (see runtime/catalog.py)")
     parser.add_argument("--context", type=int, default=None, help="tokens per request (default: the model's maximum)")
-    parser.add_argument("--scheme", default="int4_kivi", choices=sorted(SCHEME_FORMAT),
+    parser.add_argument("--scheme", default=DEFAULT_SCHEME, choices=sorted(SCHEME_FORMAT),
                         help="KV scheme the settings are for")
     parser.add_argument("--gpu-memory-utilization", type=float, default=GPU_MEMORY_UTILIZATION)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")

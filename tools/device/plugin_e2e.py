@@ -22,7 +22,6 @@ import concurrent.futures
 import gc
 import json
 import os
-import re
 import shlex
 import shutil
 import socket
@@ -33,14 +32,15 @@ import threading
 import time
 import urllib.request
 
+from s4kv.runtime.bench.report import KV_CACHE_LINE
+from s4kv.runtime.schemes import SCHEMES
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCHEMES = ("int4_kivi", "int4_saw")
 # the engine-matrix runs of S4 KV: both schemes, and int4_saw under n-gram speculative decoding (3 drafts; vLLM
 # captures the verification batches, 4 query tokens per request, in full CUDA graphs). int4_kivi refuses drafts.
 MATRIX_KINDS = (*SCHEMES, "int4_saw+ngram")
 S4KV_ARGS = {"kv_cache_dtype": "int4_per_token_head", "attention_config": {"backend": "CUSTOM"}}
 CAPACITY_MODEL_CONFIG = os.path.join(REPO, "configs", "qwen2.5-7b-instruct.json")
-KV_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def capacity_phase(out: str, env: dict, deadline: float) -> dict:
         log_path = os.path.join(out, f"capacity_{kind}.log")
         results[kind] = run_child(["capacity", "--kind", kind, "--out", out], env,
                                   max(20, min(60, deadline - time.monotonic())), log_path)
-        printed = KV_LINE.findall(open(log_path).read())
+        printed = KV_CACHE_LINE.findall(open(log_path).read())
         results[kind]["vllm_line"] = f"GPU KV cache size: {printed[-1]} tokens" if printed else None
         print(f"[capacity] {kind}: {results[kind].get('vllm_line') or results[kind].get('tail', '')[-300:]}",
               flush=True)
@@ -293,7 +293,7 @@ def server_worker(model: str, scheme: str, raw_vllm: bool, out: str, timeout_s: 
     finally:
         stop(server)
     log_text = open(log_path).read()
-    checks["kv_line"] = (KV_LINE.findall(log_text) or [None])[-1]
+    checks["kv_line"] = (KV_CACHE_LINE.findall(log_text) or [None])[-1]
     return checks
 
 

@@ -26,10 +26,10 @@ import torch
 
 from s4kv.kernels.attention import CODE_PATHS, LaunchConfig, SplitWorkspace, paged_attention
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.runtime.schemes import SCHEMES
 
 BLOCK = 128
 HQ, HKV = 28, 4  # Qwen2.5-7B attention shape
-SCHEMES = ("int4_kivi", "int4_saw")
 
 
 @dataclass(frozen=True)
