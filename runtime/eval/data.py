@@ -12,9 +12,6 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_HELDOUT = REPO / "data" / "eval" / "heldout.jsonl"
-
 
 @dataclass(frozen=True)
 class Regime:

@@ -22,18 +22,21 @@ from pathlib import Path
 import numpy as np
 
 from s4kv.runtime.bench.matrix import BASELINE, FORMATS, STANDARD_FORMATS
-from .data import DEFAULT_HELDOUT, Regime, RegimeInputs, build_inputs, describe, load_heldout
+from s4kv.runtime.bundled_models import HELDOUT, REFERENCE_MODELS, resolve_model
+
+from .data import Regime, RegimeInputs, build_inputs, describe, load_heldout
 from .metrics import Greedy, TeacherForced, compare_teacher_forced, greedy_match
 
 ENGINES = ("vllm", "torch")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("model", help="local model folder or hub id (config.json, tokenizer, safetensors)")
+    parser.add_argument("model", help="local model folder, hub id (config.json, tokenizer, safetensors) or the name "
+                                      f"of a bundled model ({', '.join(REFERENCE_MODELS)})")
     parser.add_argument("--engine", choices=ENGINES, default="vllm")
     parser.add_argument("--formats", default=",".join(STANDARD_FORMATS),
                         help=f"comma-separated, from {', '.join(FORMATS)}; {BASELINE} is always run first")
-    parser.add_argument("--heldout", default=str(DEFAULT_HELDOUT), help="held-out documents, JSON lines with 'text'")
+    parser.add_argument("--heldout", default=str(HELDOUT), help="held-out documents, JSON lines with 'text'")
     parser.add_argument("--out-dir", default="results/quality")
     parser.add_argument("--top-k", type=int, default=20, help="log-probs per position (KL estimate, top-1)")
     parser.add_argument("--short-windows", type=int, default=64)
@@ -189,6 +192,7 @@ def evaluate(args, save=lambda result: None) -> dict:
 def run(args) -> int:
     from .report import markdown_table, plot, render_target_check
 
+    args.model = resolve_model(args.model)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # not Path.with_suffix: model names such as Qwen2.5-7B-Instruct contain dots
