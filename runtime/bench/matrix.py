@@ -1,5 +1,5 @@
-"""What `s4kv bench` measures: the KV formats (one engine configuration each), the issue-4 workloads, the lighter
-workload of the multi-GPU calls (issue 6), and how long an engine may take.
+"""What `s4kv bench` measures: the KV formats (one engine configuration each), the standard workloads, the lighter
+workloads for several GPUs, and how long an engine may take.
 
 Pure data, no torch or vLLM import, so the table and plot code and its tests run anywhere.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
 
-MAX_MODEL_LEN = 20480  # the issue-4 baseline: long prompts are 16384 + 256 tokens
+MAX_MODEL_LEN = 20480  # the baseline's: long prompts are 16384 + 256 tokens
 # Engine start (torch.compile + CUDA graphs for a 7B shape, 45-70 s on the H200) plus the warm-up.
 ENGINE_START_S = 80
 
@@ -43,7 +43,7 @@ FORMATS: dict[str, KVFormat] = {
         KVFormat("bf16_fa3", "bf16 + FA3", "auto", "FLASH_ATTN"),
         KVFormat("fp8_fa3", "fp8 + FA3", "fp8", "FLASH_ATTN"),
         KVFormat("vllm_int4", "vLLM int4_per_token_head", "int4_per_token_head", "TRITON_ATTN"),
-        # Our schemes reuse int4_per_token_head's page budget through the CUSTOM backend slot (issue 3).
+        # Our schemes reuse int4_per_token_head's page budget through the CUSTOM backend slot.
         KVFormat("s4kv_kivi", f"s4kv {KIVI}", KV_CACHE_DTYPE, ATTENTION_BACKEND, {CONFIG_KEY: {"scheme": KIVI}}),
         KVFormat("s4kv_saw", f"s4kv {SAW}", KV_CACHE_DTYPE, ATTENTION_BACKEND, {CONFIG_KEY: {"scheme": SAW}}),
         # an option of int4_saw measured beside the defaults: values rotated like keys, as vLLM's int4 does
@@ -51,7 +51,7 @@ FORMATS: dict[str, KVFormat] = {
                  {CONFIG_KEY: {"scheme": SAW, "rotate_values": True}}),
     )
 }
-# issues 4 and 5's formats: what `s4kv bench --configs all` and `s4kv eval` run unless told otherwise
+# The standard formats: what `s4kv bench --configs all` and `s4kv eval` run unless told otherwise
 STANDARD_FORMATS = ("bf16_fa3", "fp8_fa3", "vllm_int4", "s4kv_kivi", "s4kv_saw")
 
 
@@ -114,7 +114,7 @@ class Workload:
     input_len: int
     output_len: int
     engine: EngineSettings
-    # "output_tok_s" (higher is better) or "wall_s" (lower is better): what the issue-4 table reports.
+    # "output_tok_s" (higher is better) or "wall_s" (lower is better): what the results table reports.
     metric: str = "output_tok_s"
     seed: int = field(default=0, compare=False)
 
@@ -147,8 +147,8 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-# Not part of 'all' (issue 4's matrix): the multi-GPU calls of issue 6, where a 70B engine's start leaves little
-# of a 10-minute device call for the workload.
+# Not part of 'all' (the standard matrix): lighter workloads for several GPUs, where a 70B engine's start leaves
+# little of a 10-minute GPU session for the workload.
 EXTRA_WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -174,7 +174,7 @@ def parse_names(text: str, known: dict[str, Any], what: str, all_names: list[str
     return [n for n in known if n in names]
 
 
-# Wall seconds of each workload as issue 4 measured them on the H200 (vLLM 0.26.0); a time budget must
+# Wall seconds of each workload as measured on the H200 (vLLM 0.26.0); a time budget must
 # leave this much for a workload, and for a format not measured there, the slowest format's time.
 MEASURED_WALL_S = {
     "short": {"bf16_fa3": 8.9, "fp8_fa3": 8.6, "vllm_int4": 14.5},
@@ -190,7 +190,7 @@ ESTIMATED_WALL_S = {
     "short128": {"bf16_fa3": 4.5, "fp8_fa3": 4.3, "vllm_int4": 7.3},
 }
 
-# Scaling the 7B single-GPU numbers above to another model and layout (issue 6). All estimates, to be replaced by
+# Scaling the 7B single-GPU numbers above to another model and layout. All estimates, to be replaced by
 # measurements: within one `s4kv bench` call, the measured start of an earlier engine replaces START estimates.
 REFERENCE_PARAMS = 7.62e9  # the Qwen2.5-7B shape the wall times above were measured on (model_shapes count)
 REFERENCE_LAYERS = 28

@@ -24,7 +24,7 @@ from .engine import RESULT_PREFIX
 from .matrix import ALL_WORKLOADS, BASELINE, FORMATS, EngineSettings
 
 KV_CACHE_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
-# issue 4's targets for our schemes, as ratios to bf16 + FA3
+# The targets of our schemes, as ratios to bf16 + FA3
 THROUGHPUT_TARGET = 1.0
 WALL_TARGET = 1.0
 CAPACITY_TARGET = 3.7
@@ -202,7 +202,7 @@ def render_markdown(rows: list[Row]) -> str:
 
 
 def target_check(rows: list[Row], fmt: str) -> list[str]:
-    """issue 4's done criterion for one of our schemes, row by row: 'ok' or 'MISSED' with the ratio."""
+    """The targets above for one of our schemes, row by row: 'ok' or 'MISSED' with the ratio."""
     verdicts = []
     for row in rows:
         cell = row.cells.get(fmt)

@@ -1,4 +1,4 @@
-"""`s4kv bench`: end-to-end throughput of each KV format on the issue-4 workloads, one engine per configuration.
+"""`s4kv bench`: end-to-end throughput of each KV format on the standard workloads, one engine per configuration.
 
 For every selected engine setting (workloads that share gpu_memory_utilization and max_num_seqs run in
 one engine) and every selected KV format, a fresh ``python -m s4kv.runtime.bench.engine`` process
@@ -7,7 +7,7 @@ orchestrates, so it imports neither torch nor vLLM. Results are saved after ever
 cut short by a device-call limit keeps what it measured; ``--merge`` joins the results of several
 calls into one table and plot.
 
-Several GPUs (issue 6): ``--tensor-parallel-size N`` goes to vLLM as ``tensor_parallel_size``, as the CDK toolkit's
+Several GPUs: ``--tensor-parallel-size N`` goes to vLLM as ``tensor_parallel_size``, as the CDK toolkit's
 ``--tensor-parallel-size`` (runtime/capacity.py) does; ``--data-parallel-size M`` starts M independent engines,
 each on its own N GPUs (CUDA_VISIBLE_DEVICES) with its share of the requests, which is what ``vllm serve
 --data-parallel-size M`` runs for a dense model, and sums their throughput over the interval from the first start
@@ -63,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for results.json, table.md, plot.svg and engine logs")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="wall-clock budget for all engines: an engine whose start plus workloads (at the speed "
-                             "issue 4 measured for its format, else the slowest, scaled to the model and the parallel "
-                             "layout; after a first engine, its measured start) would not fit is skipped, not started")
+                             "measured on the H200 for its format, else the slowest, scaled to the model and the "
+                             "parallel layout; after a first engine, its measured start) would not fit is skipped, "
+                             "not started")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS_JSON",
                         help="run nothing: merge results.json files of earlier calls into one table and plot")
     parser.add_argument("--dry-run", action="store_true", help="print the engines that would run, then stop")

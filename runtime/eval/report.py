@@ -60,7 +60,7 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-# issue 5's target: each S4 KV scheme at least as good as vLLM's int4 on every metric (True: higher is better)
+# The quality target: each S4 KV scheme at least as good as vLLM's int4 on every metric (True: higher is better)
 TARGET_METRICS = [("top1_agreement", "top-1", "{:.2%}", True), ("perplexity_delta_pct", "ppl delta", "{:+.2f}%", False),
                   ("mean_kl", "KL", "{:.2e}", False), ("exact_match", "greedy exact", "{:.0%}", True)]
 TARGET_SCHEMES = ("s4kv_kivi", "s4kv_saw", "s4kv_saw_rotv")
