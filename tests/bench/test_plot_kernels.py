@@ -7,7 +7,7 @@ import pytest
 from tools.device import plot_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "docs" / "results" / "2026-11-30-h200-s2" / "call1_kernels.json"
+RESULTS = ROOT / "docs" / "archive" / "2026-11-30-h200-s2" / "call1_kernels.json"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Plot tools/device/bench_kernels.py's decode results: speed against FA3 and achieved bandwidth, per shape and method.
 
-    python tools/device/plot_kernels.py docs/results/2026-11-30-h200-s2/call1_kernels.json --out kernels.svg
+    python tools/device/plot_kernels.py docs/archive/2026-11-30-h200-s2/call1_kernels.json --out kernels.svg
 
 Left: FA3's time / the method's time (above 1 = faster than bf16 FlashAttention-3). Right: bytes that must
 move / time, against the device-to-device copy ceiling measured in the same run. Shapes are batch x context.
