@@ -40,7 +40,7 @@ class DeploySettings:
 
     @property
     def model_source(self) -> str:
-        """What sizes the model (runtime/model_shapes.py): its config.json if given, else its id."""
+        """What sizes the model (runtime/sizing/model_shapes.py): its config.json if given, else its id."""
         return self.model_config or self.model_id
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """One engine process of `s4kv bench`: start vLLM with one KV format, run a group of workloads, print the result.
 
-Run by runtime/bench.py as ``python -m s4kv.runtime.bench.engine SPEC.json``; a fresh process per
+Run by runtime/bench/runner.py as ``python -m s4kv.runtime.bench.engine SPEC.json``; a fresh process per
 configuration keeps GPU memory, compile caches and CUDA graphs of one format out of the next one's
 numbers. The result is one stdout line, ``RESULT_PREFIX`` + JSON; the parent reads it and vLLM's
 "GPU KV cache size: N tokens" from the process's combined log.

@@ -203,7 +203,7 @@ MEASURED_START_MARGIN = 1.15  # on an earlier engine's measured start (start + w
 
 @dataclass(frozen=True)
 class ModelScale:
-    """What the time estimates need of a model: its parameter count and depth (runtime/model_shapes.py)."""
+    """What the time estimates need of a model: its parameter count and depth (runtime/sizing/model_shapes.py)."""
 
     params: float = REFERENCE_PARAMS
     layers: int = REFERENCE_LAYERS

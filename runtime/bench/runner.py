@@ -8,7 +8,7 @@ cut short by a device-call limit keeps what it measured; ``--merge`` joins the r
 calls into one table and plot.
 
 Several GPUs: ``--tensor-parallel-size N`` goes to vLLM as ``tensor_parallel_size``, as the CDK toolkit's
-``--tensor-parallel-size`` (runtime/capacity.py) does; ``--data-parallel-size M`` starts M independent engines,
+``--tensor-parallel-size`` (runtime/sizing/capacity.py) does; ``--data-parallel-size M`` starts M independent engines,
 each on its own N GPUs (CUDA_VISIBLE_DEVICES) with its share of the requests, which is what ``vllm serve
 --data-parallel-size M`` runs for a dense model, and sums their throughput over the interval from the first start
 to the last end (the replicas start each workload together).

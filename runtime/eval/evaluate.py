@@ -4,8 +4,8 @@ For every format (bf16 first: it is the reference), in a short and a long contex
 teacher-forced top-1 agreement with bf16, perplexity and its delta, mean KL of the next-token distributions
 (a top-K lower bound, see quality.py), and free-running greedy exact match with the first divergence.
 
-Engines: ``vllm`` (default; one vLLM process per format, runtime/eval_vllm.py) measures the real kernels;
-``torch`` (CPU, runtime/eval_torch.py) runs the Hugging Face model with each format's torch reference and is
+Engines: ``vllm`` (default; one vLLM process per format, runtime/eval/vllm_engine.py) measures the real kernels;
+``torch`` (CPU, runtime/eval/torch_engine.py) runs the Hugging Face model with each format's torch reference and is
 what CI uses to check the metrics. Writes ``<out-dir>/<model>-<engine>.json`` and ``.png``; prints the table.
 """
 

@@ -107,7 +107,7 @@ class RotatedPerTokenInt4:
         return self._round_trip(key), self._round_trip(value)
 
 
-# name (as in bench_matrix.FORMATS) -> a fresh transform for one batch of sequences, given how many tokens of a
+# name (as in bench/matrix.py FORMATS) -> a fresh transform for one batch of sequences, given how many tokens of a
 # sequence its first write holds (PagedInt4Cache; the other formats keep no state between tokens)
 TransformFactory = Callable[..., KVTransform]
 TORCH_FORMATS: dict[str, TransformFactory] = {

@@ -1,8 +1,8 @@
 """One vLLM engine of `s4kv eval`: start vLLM with one KV format, score the windows, generate from the prompts.
 
-Run by runtime/evaluate.py as ``python -m s4kv.runtime.eval.vllm_engine SPEC.json``, one process per format, so each
-format gets a clean GPU and vLLM's process tree ends with it. SPEC holds the model, the format name
-(runtime/bench_matrix.FORMATS), engine settings and the token ids; the records are written to SPEC["out"]
+Run by runtime/eval/evaluate.py as ``python -m s4kv.runtime.eval.vllm_engine SPEC.json``, one process per format, so
+each format gets a clean GPU and vLLM's process tree ends with it. SPEC holds the model, the format name
+(runtime/bench/matrix.py's FORMATS), engine settings and the token ids; the records are written to SPEC["out"]
 as an .npz (per regime: top-k ids and log-probs, target log-probs, greedy tokens).
 
 Teacher forcing sends a window's first ``prefill`` tokens as the prompt (prefilled as vLLM serves a prompt) and

@@ -1,6 +1,6 @@
 """``s4kv capacity``: vLLM settings and KV capacity of a model on an EC2 instance type, offline.
 
-From the model's config.json (runtime/model_shapes.py) and the instance catalog (runtime/catalog.py):
+From the model's config.json (runtime/sizing/model_shapes.py) and the instance catalog (runtime/sizing/catalog.py):
 tensor parallel only when the weights do not fit one GPU, data parallel over the remaining GPUs, the
 max model length, the memory utilisation, and how many requests of a given context length fit in the
 KV cache in bf16, fp8 and int4. The CDK app renders the same plan into its user data and outputs.
@@ -147,7 +147,8 @@ def plan(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="config.json path, model folder, or model id (local HF cache or built-in)")
-    parser.add_argument("--instance", required=True, help="EC2 instance type, e.g. g6.xlarge (see runtime/catalog.py)")
+    parser.add_argument("--instance", required=True,
+                        help="EC2 instance type, e.g. g6.xlarge (see runtime/sizing/catalog.py)")
     parser.add_argument("--context", type=int, default=None, help="tokens per request (default: the model's maximum)")
     parser.add_argument("--scheme", default=DEFAULT_SCHEME, choices=sorted(SCHEME_FORMAT),
                         help="KV scheme the settings are for")

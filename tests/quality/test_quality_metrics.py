@@ -1,4 +1,4 @@
-"""The metric arithmetic of runtime/quality.py on hand-made distributions with known answers."""
+"""The metric arithmetic of runtime/eval/metrics.py on hand-made distributions with known answers."""
 
 from __future__ import annotations
 
