@@ -326,7 +326,7 @@ def test_device_script_dry_run_plans_both_layouts(tmp_path):
     env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                WORK_DIR=str(tmp_path / "work"))
     (tmp_path / "out").mkdir()
-    done = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh")], env=env, capture_output=True,
+    done = subprocess.run(["bash", str(REPO / "tools" / "device" / "parallel.sh")], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     plans = [line for line in done.stdout.splitlines() if line.startswith("[bench] plan:")]
@@ -334,11 +334,11 @@ def test_device_script_dry_run_plans_both_layouts(tmp_path):
     assert all("seqs128-tp2 short128" in line for line in plans[:3])
     assert all("seqs256-dp2 short" in line for line in plans[3:])
     assert "[parallel] step 1: tp" in (tmp_path / "out" / "parallel.log").read_text()
-    later = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh"), "dp=bf16_fa3", "tp=s4kv_saw"],
+    later = subprocess.run(["bash", str(REPO / "tools" / "device" / "parallel.sh"), "dp=bf16_fa3", "tp=s4kv_saw"],
                            env=env, capture_output=True, text=True, timeout=120, check=False)
     plans = [line.split()[2:4] for line in later.stdout.splitlines() if line.startswith("[bench] plan:")]
     assert later.returncode == 0 and plans == [["bf16_fa3", "gmu0.90-seqs256-dp2"], ["s4kv_saw", "gmu0.90-seqs128-tp2"]]
-    bad = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh"), "pp"], env=env, capture_output=True,
+    bad = subprocess.run(["bash", str(REPO / "tools" / "device" / "parallel.sh"), "pp"], env=env, capture_output=True,
                          text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "usage" in bad.stdout
 
@@ -348,7 +348,7 @@ def test_device_script_uses_every_gpu_of_the_machine(tmp_path):
     env = dict(os.environ, DRY_RUN="1", GPUS="8", OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                WORK_DIR=str(tmp_path / "work"))
     (tmp_path / "out").mkdir()
-    done = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh"), "tp=s4kv_kivi", "dp=s4kv_saw", "serve"],
+    done = subprocess.run(["bash", str(REPO / "tools" / "device" / "parallel.sh"), "tp=s4kv_kivi", "dp=s4kv_saw", "serve"],
                           env=env, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     plans = [line.split()[2:5] for line in done.stdout.splitlines() if line.startswith("[bench] plan:")]

@@ -38,7 +38,7 @@ def run_serve(tmp_path: Path, fail_dp: bool, limit_s: int = 300) -> tuple[subpro
         tool.chmod(0o755)
     vllm_site = tmp_path / "site"
     (vllm_site / "vllm").mkdir(parents=True, exist_ok=True)
-    (vllm_site / "vllm" / "__init__.py").write_text("")  # "installed": device_env.sh skips the bundle
+    (vllm_site / "vllm" / "__init__.py").write_text("")  # "installed": tools/device/env.sh skips the bundle
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), VLLM_SITE=str(vllm_site),
@@ -46,7 +46,7 @@ def run_serve(tmp_path: Path, fail_dp: bool, limit_s: int = 300) -> tuple[subpro
     env.pop("DRY_RUN", None)
     if fail_dp:
         env["FAIL_DP"] = "1"
-    done = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh"), "serve"], env=env, capture_output=True,
+    done = subprocess.run(["bash", str(REPO / "tools" / "device" / "parallel.sh"), "serve"], env=env, capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     return done, out
 
