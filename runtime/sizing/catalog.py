@@ -2,7 +2,7 @@
 
 The figures are the EC2 API's own (``DescribeInstanceTypes``: ``GpuInfo.Gpus[].MemoryInfo.SizeInMiB``,
 ``VCpuInfo.DefaultVCpus``, ``MemoryInfo.SizeInMiB``), not the marketing numbers: an A10G or an L4
-reports 22,888 MiB, not 24 GiB. tests/deploy/test_catalog.py checks every row against the snapshot of
+reports 22,888 MiB, not 24 GiB. tests/deploy/test_capacity.py checks every row against the snapshot of
 that API that moto ships, so a typo here fails CI.
 
 Pure data and lookups: no torch, no vLLM, no AWS SDK (``s4kv capacity`` and the CDK app both import it).
