@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .layout import HEAD_DIM, KIVI_BLOCK_SIZE, PageLayout, tile_tokens
-from .scheme import KIVI, KIVI_STAGING_BLOCK, SAW, Int4Scheme
+from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
 from .triton_common import (kivi_block_is_per_channel, load_channel_params, load_key_token_params, load_token_params,
                             rotate_halves)
 
@@ -55,9 +55,9 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
               "subnormal+ptx": {"subnormal_codes": True, "ptx_unpack": True}}
 
 # measured on the H200 (docs/performance.md, tuning log): each scheme's fastest code path at batch 32-256 in the
-# kernel table of 2026-11-30 (session 5), launch shape from tools/device/tune_attention.py
-DECODE_LAUNCH = {KIVI: LaunchConfig(tile=128, num_warps=4, num_stages=3, subnormal_codes=True, ptx_unpack=True),
-                 SAW: LaunchConfig(tile=64, num_warps=4, num_stages=3, subnormal_codes=False, ptx_unpack=True)}
+# kernel table of 2026-11-30, launch shape from tools/device/tune_attention.py
+DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3, subnormal_codes=True, ptx_unpack=True),
+                 "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=3, subnormal_codes=False, ptx_unpack=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
 
 
