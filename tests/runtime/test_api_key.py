@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from s4kv.runtime.api_key import ApiKeyMiddleware
+from s4kv.runtime.plugin.api_key import ApiKeyMiddleware
 
 KEY = "k-123"
 

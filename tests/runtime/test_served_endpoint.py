@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from s4kv.runtime.demo import CPU_ENGINE_ARGS, stop
+from s4kv.runtime.cli.demo import CPU_ENGINE_ARGS, stop
 from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_ENGINE_DIED, EXIT_UNSUPPORTED
-from s4kv.runtime.tiny_model import FACTS, QWEN2, bundled_model_dir, chat_text
+from s4kv.runtime.bundled_models import FACTS, QWEN2, bundled_model_dir, chat_text
 
 openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
