@@ -348,7 +348,8 @@ def test_device_script_uses_every_gpu_of_the_machine(tmp_path):
     env = dict(os.environ, DRY_RUN="1", GPUS="8", OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                WORK_DIR=str(tmp_path / "work"))
     (tmp_path / "out").mkdir()
-    done = subprocess.run(["bash", str(REPO / "tools" / "device" / "parallel.sh"), "tp=s4kv_kivi", "dp=s4kv_saw", "serve"],
+    script = str(REPO / "tools" / "device" / "parallel.sh")
+    done = subprocess.run(["bash", script, "tp=s4kv_kivi", "dp=s4kv_saw", "serve"],
                           env=env, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     plans = [line.split()[2:5] for line in done.stdout.splitlines() if line.startswith("[bench] plan:")]

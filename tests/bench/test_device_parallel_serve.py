@@ -46,7 +46,8 @@ def run_serve(tmp_path: Path, fail_dp: bool, limit_s: int = 300) -> tuple[subpro
     env.pop("DRY_RUN", None)
     if fail_dp:
         env["FAIL_DP"] = "1"
-    done = subprocess.run(["bash", str(REPO / "tools" / "device" / "parallel.sh"), "serve"], env=env, capture_output=True,
+    script = str(REPO / "tools" / "device" / "parallel.sh")
+    done = subprocess.run(["bash", script, "serve"], env=env, capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     return done, out
 
