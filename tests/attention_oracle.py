@@ -1,4 +1,4 @@
-"""The float64 attention every kernel and benchmark test compares against (kernel tests, tools/bench_kernels)."""
+"""The float64 attention every kernel and benchmark test compares against (kernel tests, tools/device/bench_kernels.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`s4kv bench --serve` (runtime/bench_serve.py): the statistics and tables on hand-made records, the argument
+"""`s4kv bench --serve` (runtime/bench/serve.py): the statistics and tables on hand-made records, the argument
 checks, and one real run: vLLM 0.26.0's OpenAI server on the CPU engine with int4_kivi, a tiny config.json (dummy
 weights, no tokenizer), driven through the openai client with a very short sweep (a few minutes, nearly all of it the
 server's start)."""
@@ -10,8 +10,9 @@ import math
 
 import pytest
 
-from s4kv.runtime import bench_serve, cli
-from s4kv.runtime.bench_serve import RequestRecord, SweepPoint
+from s4kv.runtime import cli
+from s4kv.runtime.bench import serve as bench_serve
+from s4kv.runtime.bench.serve import RequestRecord, SweepPoint
 
 TINY_QWEN2 = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512,
