@@ -1,4 +1,5 @@
-"""The float64 attention every kernel and benchmark test compares against (kernel tests, tools/device/bench_kernels.py)."""
+"""The float64 attention every kernel and benchmark test compares against (kernel tests,
+tools/device/bench_kernels.py)."""
 
 from __future__ import annotations
 

@@ -265,4 +265,5 @@ def assert_poisoned_rows(out: torch.Tensor, expected: torch.Tensor, what: str) -
     want = torch.isnan(expected).any(-1)
     assert want.any() and not want.all(), f"{what}: the case must poison some query rows and spare others"
     wrong = (got != want).nonzero().tolist()
-    assert not wrong, f"{what}: {len(wrong)} (token, head) rows NaN where the oracle is not or the reverse, first {wrong[0]}"
+    assert not wrong, (f"{what}: {len(wrong)} (token, head) rows NaN where the oracle is not or the reverse, "
+                       f"first {wrong[0]}")

@@ -381,7 +381,8 @@ def main() -> int:
     parser.add_argument("--contexts", default="1024,4096,16384,32768")
     parser.add_argument("--batches", default="1,32,128,256")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
-    parser.add_argument("--methods", default="all", help=f"comma list of decode methods or 'all' ({', '.join(METHODS)})")
+    parser.add_argument("--methods", default="all",
+                        help=f"comma list of decode methods or 'all' ({', '.join(METHODS)})")
     parser.add_argument("--no-store", action="store_true", help="skip the store-kernel timings")
     parser.add_argument("--budget-s", type=float, default=300,
                         help="skip the remaining decode configs once this much time has passed")
@@ -435,7 +436,8 @@ def main() -> int:
     shape_list = ", ".join(f"{name} ({SHAPES[name][0]} q / {SHAPES[name][1]} KV heads)" for name in shapes)
     report = f"Decode attention, d {HEAD_DIM}, {shape_list}, {title}\n\n{render_decode_table(decode, copy_gbps)}"
     if store:
-        report += f"\nStore (K+V of new tokens, {NUM_Q_HEADS} q / {NUM_KV_HEADS} KV heads)\n\n{render_store_table(store)}"
+        report += (f"\nStore (K+V of new tokens, {NUM_Q_HEADS} q / {NUM_KV_HEADS} KV heads)\n\n"
+                   f"{render_store_table(store)}")
     if skipped:
         report += f"\nskipped for the time budget: {skipped}\n"
     (args.out / "kernels.md").write_text(report)

@@ -163,7 +163,8 @@ def bench_chunked(prompt_len: int, chunk: int) -> list[dict]:
 
 def chunked_summary(rows: list[dict]) -> str:
     """Markdown: per prompt length, each method's summed attention time over all chunks and its ratio to FA3."""
-    lines = ["| prompt | chunk | method | attention, all chunks | x FA3 (time) | last chunk |", "|---|---|---|---|---|---|"]
+    lines = ["| prompt | chunk | method | attention, all chunks | x FA3 (time) | last chunk |",
+             "|---|---|---|---|---|---|"]
     for prompt in sorted({r["prompt"] for r in rows}):
         mine = [r for r in rows if r["prompt"] == prompt]
         total = {m: sum(r["ms"] for r in mine if r["method"] == m) for m in dict.fromkeys(r["method"] for r in mine)}
