@@ -23,9 +23,11 @@ from aws_cdk import Fn
 SCRIPTS = Path(__file__).parent / "scripts"
 ENV_FILE = "/etc/s4kv/server.env"
 SERVER_PORT = 8000
-# S4KV_ROOT is unset on an instance (cloud-init runs user data with a clean environment), so every path is
-# the real one; the boot test (tests/deploy/test_boot.py) sets it to a scratch folder to run this same script.
+# S4KV_ROOT and S4KV_PORT are unset on an instance (cloud-init runs user data with a clean environment), so
+# every path is the real one and the port is SERVER_PORT; the boot test (tests/deploy/test_boot.py) sets them
+# to a scratch folder and a free port to run this same script.
 ROOT_LINE = 'S4KV_ROOT="${S4KV_ROOT:-}"\n'
+PORT_LINE = f'S4KV_PORT="${{S4KV_PORT:-{SERVER_PORT}}}"\n'
 
 # env var in server.env -> the Fn::Sub variable that fills it
 ENV_VARIABLES = {
@@ -73,8 +75,9 @@ def install_script() -> str:
 def env_file_template(with_install: bool) -> str:
     """Fn::Sub template of the env file (single-quoted values: the parameters' AllowedPatterns have no quotes)."""
     variables = {**ENV_VARIABLES, **(INSTALL_VARIABLES if with_install else {})}
-    lines = [f"{env}='${{{sub}}}'" for env, sub in variables.items()] + [f"S4KV_PORT='{SERVER_PORT}'"]
-    return 'install -d "$S4KV_ROOT/etc/s4kv"\n' + _write_file(ENV_FILE, "\n".join(lines) + "\n", "0644")
+    lines = [f"{env}='${{{sub}}}'" for env, sub in variables.items()]
+    return ('install -d "$S4KV_ROOT/etc/s4kv"\n' + _write_file(ENV_FILE, "\n".join(lines) + "\n", "0644")
+            + f'echo "S4KV_PORT=\'$S4KV_PORT\'" >> "$S4KV_ROOT{ENV_FILE}"\n')
 
 
 def user_data(with_install: bool, variables: dict[str, str]) -> str:
@@ -88,7 +91,7 @@ def user_data(with_install: bool, variables: dict[str, str]) -> str:
     parts = [
         "#!/bin/bash\n"
         "# S4 KV bootstrap: settings, logs, install (DLAMI flavour), start, readiness signal. No secret here.\n"
-        "set -euo pipefail\n" + ROOT_LINE,
+        "set -euo pipefail\n" + ROOT_LINE + PORT_LINE,
         Fn.sub(env_file_template(with_install), variables),
         f'# shellcheck source=/dev/null\n. "$S4KV_ROOT{ENV_FILE}"\n',
         script("signal.sh"),
