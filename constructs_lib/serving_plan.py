@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from constructs_lib import regions
 from s4kv.runtime import capacity, catalog, model_shapes
 
 MAPPING_NAME = "ServingPlans"
@@ -46,6 +47,7 @@ class InstancePlan:
             "Int4Args": " ".join(self.int4.vllm_args()),
             "Bf16Args": " ".join(self.bf16.vllm_args()),
             "BootTimeout": self.boot_timeout(),
+            "ZoneKey": regions.zone_key(self.instance.name),  # its column in the ZoneIds mapping
             "Capacity": (
                 f"{gpus}, tensor parallel {self.int4.tensor_parallel} x data parallel {self.int4.data_parallel}: "
                 f"at {self.int4.context} tokens per request, bf16 KV fits {rows['bf16'].concurrent_requests}, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 from aws_cdk import Aws, CfnCondition, CfnMapping, CfnOutput, CfnParameter, Fn, Stack, Token, aws_logs as logs
 from constructs import Construct
 
-from constructs_lib import serving_plan
+from constructs_lib import regions, serving_plan
 from constructs_lib.api_key import ApiKeySecret
 from constructs_lib.network import ServingNetwork
 from constructs_lib.runtime_artifacts import CUDA_LOCK, WHEEL_NAME, RuntimeArtifacts, build_wheel
@@ -57,9 +57,15 @@ class GpuServingStack(Stack):
         def plan_value(key: str) -> str:
             return plan_table.find_in_map(instance_type, key)
 
+        # A zone the user names, else the first zone ID of this region that offers the instance type (offline
+        # snapshot, constructs_lib/region_offerings.json); a region or type missing from it fails the deploy at
+        # the subnet, before any instance is launched, and the AvailabilityZone parameter overrides.
+        zones = CfnMapping(self, "ZoneIds", mapping=regions.zone_mapping(list(plans)))
         zone = Token.as_string(Fn.condition_if(zone_given.logical_id, p["AvailabilityZone"].value_as_string,
-                                               Fn.select(0, Fn.get_azs())))
-        network = ServingNetwork(self, "Network", availability_zone=zone,
+                                               Aws.NO_VALUE))
+        zone_id = Token.as_string(Fn.condition_if(zone_given.logical_id, Aws.NO_VALUE,
+                                                  zones.find_in_map(Aws.REGION, plan_value("ZoneKey"))))
+        network = ServingNetwork(self, "Network", availability_zone=zone, availability_zone_id=zone_id,
                                  allowed_cidr=p["AllowedCidr"].value_as_string, port=SERVER_PORT)
         api_key = ApiKeySecret(self, "ApiKey", supplied_secret_arn=p["ApiKeySecretArn"].value_as_string)
         hf_token = p["HfTokenSecretArn"].value_as_string
@@ -159,7 +165,8 @@ class GpuServingStack(Stack):
         param("RootVolumeGiB", type="Number", default=200, min_value=100, max_value=16384,
               description="Size of the encrypted gp3 root volume (GiB): runtime plus model weights")
         param("AvailabilityZone", type="String", default="",
-              description="Zone for the instance (empty: the region's first zone); pick one that offers the type")
+              description="Zone name for the instance (empty: the first zone of the region that offers the "
+                          "instance type, by zone ID, from an offline snapshot of EC2's offerings)")
         param("ExtraVllmArgs", type="String", default="", allowed_pattern=VLLM_ARGS_PATTERN,
               description="More vLLM flags, e.g. --enable-prefix-caching (letters, digits, space and ._=,:/+- only)")
         if marketplace:

@@ -120,8 +120,8 @@ def test_user_data_installs_the_locked_runtime_from_s3_and_starts_s4kv_serve(syn
     for text in (dlami, marketplace):
         assert "systemctl enable --now s4kv.service" in text
         # Logs go to CloudWatch before anything is installed; the signal trap is armed before both.
-        assert text.index("trap s4kv_on_exit EXIT") < text.index("amazon-cloudwatch-agent-ctl -a fetch-config")
-        assert text.index("amazon-cloudwatch-agent-ctl -a fetch-config") < text.index("systemctl enable --now")
+        assert text.index("trap s4kv_on_exit EXIT") < text.index("-a fetch-config")
+        assert text.index("-a fetch-config") < text.index("--require-hashes" if "--require-hashes" in text else "systemctl enable")
         assert text.index("/v1/completions") < text.index("s4kv_signal SUCCESS")
     variables = _user_data_variables(synthesis.template("S4kvServing"))
     assert variables["ModelId"] == "Qwen/Qwen2.5-7B-Instruct" and variables["SignalResource"] == "ServerInstance"
@@ -176,7 +176,7 @@ def test_dlami_from_public_ssm_parameter_and_marketplace_takes_image_id(synthesi
     dlami = synthesis.template("S4kvServing")["Parameters"]
     assert dlami["DeepLearningAmi"] == {
         "Type": "AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>",
-        "Default": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
+        "Default": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
         "Description": dlami["DeepLearningAmi"]["Description"]}
     market = synthesis.template("S4kvServingMarketplace")["Parameters"]
     assert market["ImageId"]["Type"] == "AWS::EC2::Image::Id" and "Default" not in market["ImageId"]
@@ -257,3 +257,20 @@ def test_bakery_recipe_uses_the_same_install_script_and_artifacts(synthesis):
     recipe = _only(template, "AWS::ImageBuilder::ImageRecipe")
     assert recipe["ParentImage"] == {"Ref": "DeepLearningAmi"}
     assert recipe["BlockDeviceMappings"][0]["Ebs"]["Encrypted"] is True
+
+
+def test_subnet_zone_is_one_that_offers_the_instance_type_or_the_named_zone(serving):
+    from constructs_lib.regions import zone_ids
+
+    _, template = serving
+    subnet = _only(template, "AWS::EC2::Subnet")
+    assert subnet["AvailabilityZone"] == {"Fn::If": ["ZoneGiven", {"Ref": "AvailabilityZone"}, {"Ref": "AWS::NoValue"}]}
+    assert subnet["AvailabilityZoneId"] == {"Fn::If": ["ZoneGiven", {"Ref": "AWS::NoValue"}, {"Fn::FindInMap": [
+        "ZoneIds", {"Ref": "AWS::Region"}, {"Fn::FindInMap": ["ServingPlans", {"Ref": "InstanceType"}, "ZoneKey"]}]}]}
+    table, plans = template["Mappings"]["ZoneIds"], template["Mappings"]["ServingPlans"]
+    for instance_type in template["Parameters"]["InstanceType"]["AllowedValues"]:
+        key, offered = plans[instance_type]["ZoneKey"], zone_ids(instance_type)
+        for region, ids in offered.items():
+            assert table[region][key] == ids[0]
+        assert all(key not in row for region, row in table.items() if region not in offered)
+    assert table["us-east-1"]["g6xlarge"] in zone_ids("g6.xlarge")["us-east-1"]
