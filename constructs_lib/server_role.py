@@ -1,6 +1,6 @@
 """The server instance's IAM role and instance profile, least privilege.
 
-Exactly these: Session Manager (no SSH), writing its own CloudWatch log group, reading its own secrets (the API
+Exactly these: Session Manager (no SSH), writing its own CloudWatch log group, metrics in the S4KV namespace, reading its own secrets (the API
 key, and the Hugging Face token when one is given), reading the two runtime artifacts (DLAMI flavour), and
 signalling its own stack. No managed policies.
 """
@@ -19,6 +19,7 @@ SESSION_MANAGER_ACTIONS = [
     "ssmmessages:OpenControlChannel",
     "ssmmessages:OpenDataChannel",
 ]
+METRICS_NAMESPACE = "S4KV"  # scripts/publish-metrics.py
 LOG_ACTIONS = ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"]
 
 
@@ -34,6 +35,10 @@ class ServerRole(Construct):
             # The Arn attribute of a log group ends in ":*": its streams, nothing else.
             {"Sid": "OwnLogGroup", "Effect": "Allow", "Action": LOG_ACTIONS, "Resource": log_group_arn},
             {"Sid": "OwnSecrets", "Effect": "Allow", "Action": "secretsmanager:GetSecretValue", "Resource": secret_arns},
+            # scripts/publish-metrics.py; PutMetricData has no resource-level permission, the namespace condition
+            # limits it to the S4KV namespace.
+            {"Sid": "PublishS4kvMetrics", "Effect": "Allow", "Action": "cloudwatch:PutMetricData", "Resource": "*",
+             "Condition": {"StringEquals": {"cloudwatch:namespace": METRICS_NAMESPACE}}},
             # The readiness signal (scripts/signal.sh) of this stack's instance only.
             {"Sid": "SignalOwnStack", "Effect": "Allow", "Action": "cloudformation:SignalResource",
              "Resource": Aws.STACK_ID},

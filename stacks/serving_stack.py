@@ -15,6 +15,7 @@ from constructs import Construct
 from constructs_lib import regions, serving_plan
 from constructs_lib.api_key import ApiKeySecret
 from constructs_lib.network import ServingNetwork
+from constructs_lib.operations import ServerOperations
 from constructs_lib.runtime_artifacts import CUDA_LOCK, WHEEL_NAME, RuntimeArtifacts, build_wheel
 from constructs_lib.server_instance import ServerInstance
 from constructs_lib.server_role import ServerRole
@@ -96,8 +97,14 @@ class GpuServingStack(Stack):
             instance_profile=role.instance_profile.ref, root_volume_gib=p["RootVolumeGiB"].value_as_number,
             user_data=user_data(not marketplace, variables), boot_timeout=p["BootTimeout"].value_as_string)
         server.instance.add_resource_dependency(network.dependable)
+        operations = ServerOperations(self, "Operations")
+        operations.health_alarm.node.add_dependency(server.instance)
         self.server, self.network, self.role, self.api_key = server, network, role, api_key
         self._outputs(server, api_key, log_group, plan_value, vllm_args)
+        CfnOutput(self, "HealthAlarm", value=operations.health_alarm.alarm_name,
+                  description="CloudWatch alarm: /health failing for 3 minutes (attach an SNS action to be told)")
+        CfnOutput(self, "Dashboard", value=operations.dashboard.dashboard_name,
+                  description="CloudWatch dashboard: health, KV cache usage, requests, tokens/s, TTFT, ITL")
         self._acknowledge()
 
     def _acknowledge(self) -> None:
@@ -112,8 +119,9 @@ class GpuServingStack(Stack):
             "terminate it, which termination protection would block; nothing on it is persistent."))
         acknowledge(self.role.role, (
             "AwsSolutions::AwsSolutions-IAM5[Resource::*]",
-            "Only the five Session Manager actions (ssm:UpdateInstanceInformation, ssmmessages:*Channel) use "
-            "Resource *: they support no resource-level permissions. Logs and the secret are scoped to their ARNs."))
+            "Only the five Session Manager actions (ssm:UpdateInstanceInformation, ssmmessages:*Channel) and "
+            "cloudwatch:PutMetricData (held to the S4KV namespace by a condition) use Resource *: they support no "
+            "resource-level permissions. Logs, secrets, artifacts and the signal are scoped to their ARNs."))
         acknowledge(self.api_key.secret, (
             "AwsSolutions::AwsSolutions-SMG4",
             "A static bearer key shared with API clients: automatic rotation would break them without notice. "

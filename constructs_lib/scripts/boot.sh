@@ -31,4 +31,6 @@ reply="$(mktemp)"
 status="$(s4kv_call "$reply" /v1/completions "{\"model\": \"$S4KV_MODEL\", \"prompt\": \"Hello\", \"max_tokens\": 4}")"
 [ "$status" = 200 ] && grep -q '"choices"' "$reply" || s4kv_fail "an authenticated completion answered HTTP $status"
 echo "s4kv: ready after $(( $(date +%s) - started )) s (an authenticated completion answered)"
+S4KV_REASON="starting s4kv-metrics.timer"
+systemctl enable --now s4kv-metrics.timer
 s4kv_signal SUCCESS

