@@ -126,9 +126,11 @@ class GpuServingStack(Stack):
             "AwsSolutions::AwsSolutions-SMG4",
             "A static bearer key shared with API clients: automatic rotation would break them without notice. "
             "Rotate by hand (put-secret-value, then restart s4kv.service, which re-reads it); docs/deploy.md."))
+        acknowledge(self.network.subnet, (
+            "CloudFormation-Validate::F3020",
+            "Exactly one is set: AvailabilityZone and AvailabilityZoneId are both Fn::If on ZoneGiven, each with "
+            "AWS::NoValue in the branch where the other one applies."))
         acknowledge(self, (
-            "AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::<ArtifactBucket>/<WheelKey>]",
-            "Not a wildcard: the ARN of the one wheel object; cdk-nag reads the parameter reference as one."), (
             "CloudFormation-Validate::W1001",
             "The generated secret is only referenced inside Fn::If on its own condition (GenerateApiKey)."), (
             "CloudFormation-Validate::W2509",

@@ -33,4 +33,5 @@ status="$(s4kv_call "$reply" /v1/completions "{\"model\": \"$S4KV_MODEL\", \"pro
 echo "s4kv: ready after $(( $(date +%s) - started )) s (an authenticated completion answered)"
 S4KV_REASON="starting s4kv-metrics.timer"
 systemctl enable --now s4kv-metrics.timer
+S4KV_REASON="the SUCCESS signal could not be sent"
 s4kv_signal SUCCESS

@@ -92,7 +92,7 @@ pid_file = os.path.join(root, "run", "s4kv.pid")
 if args[0] == "daemon-reload":
     sys.exit(0)
 if args[:2] == ["enable", "--now"] and args[2].endswith(".timer"):
-    open(os.path.join(root, "timers.enabled"), "a").write(args[2] + "\n")
+    open(os.path.join(root, "timers.enabled"), "a").write(args[2] + "\\n")
     sys.exit(0)
 if args[:2] == ["enable", "--now"]:
     unit = dict(line.split("=", 1) for line in open(os.path.join(root, "etc/systemd/system", args[2]))

@@ -78,7 +78,7 @@ def test_instance_role_is_least_privilege(serving):
     assert "ManagedPolicyArns" not in server
     [policy] = server["Policies"]
     statements = {s["Sid"]: s for s in policy["PolicyDocument"]["Statement"]}
-    base = {"SessionManager", "OwnLogGroup", "OwnSecrets", "SignalOwnStack"}
+    base = {"SessionManager", "OwnLogGroup", "OwnSecrets", "SignalOwnStack", "PublishS4kvMetrics"}
     assert set(statements) == (base if name == "S4kvServingMarketplace" else base | {"RuntimeArtifacts"})
     assert all(s["Effect"] == "Allow" for s in statements.values())
     session = statements["SessionManager"]
@@ -90,6 +90,8 @@ def test_instance_role_is_least_privilege(serving):
     api_key, hf_token = statements["OwnSecrets"]["Resource"]
     assert api_key["Fn::If"][1:] == [{"Ref": secret_logical}, {"Ref": "ApiKeySecretArn"}]
     assert hf_token == {"Fn::If": ["HasHfToken", {"Ref": "HfTokenSecretArn"}, {"Ref": "AWS::NoValue"}]}
+    assert statements["PublishS4kvMetrics"]["Action"] == "cloudwatch:PutMetricData"
+    assert statements["PublishS4kvMetrics"]["Condition"] == {"StringEquals": {"cloudwatch:namespace": "S4KV"}}
     assert statements["SignalOwnStack"] == {"Sid": "SignalOwnStack", "Effect": "Allow",
                                             "Action": "cloudformation:SignalResource", "Resource": {"Ref": "AWS::StackId"}}
     all_actions = json.dumps([s["Action"] for s in statements.values()])
@@ -103,8 +105,9 @@ def test_api_key_is_generated_into_secrets_manager_and_never_in_template_or_user
     assert "SecretString" not in secret["Properties"]
     assert secret["Properties"]["GenerateSecretString"]["PasswordLength"] >= 32
     user_data = _user_data_text(template)
+    # Read only with `aws secretsmanager get-secret-value --query SecretString` (launcher, readiness check, metrics).
     assert "--api-key" not in user_data and "SecretString" not in user_data.replace(
-        "--query SecretString", ""), "the key must only ever be read by the server, at start"
+        "--query SecretString", "").replace('"--query", "SecretString"', ""), "the key is only ever read at run time"
     if "start-server" in user_data and "#!/bin/bash\n# Starts the S4 KV server" in user_data:
         # The only place the key exists on the instance: the launcher's environment, from Secrets Manager.
         assert 'VLLM_API_KEY="$(aws secretsmanager get-secret-value' in user_data
