@@ -16,12 +16,12 @@ from constructs import Construct
 
 from constructs_lib.runtime_artifacts import WHEEL_NAME, RuntimeArtifacts
 from constructs_lib.user_data import ROOT_LINE, install_script
+from s4kv.runtime.plugin.version import VLLM_VERSION
 
 VERSION = "1.0.0"
 ROOT_VOLUME_GIB = 100
 
 
-VLLM_VERSION = "0.26.0"
 # Where the artifacts' values go into the document (replaced by tokens in ``component_data``).
 PLACEHOLDERS = {name: f"@@{name}@@" for name in RuntimeArtifacts.__dataclass_fields__}
 
@@ -48,8 +48,9 @@ def component_document() -> str:
         "phases": [
             {"name": "build", "steps": [{"name": "InstallRuntime", "action": "ExecuteBash",
                                          "inputs": {"commands": [install]}}]},
-            {"name": "validate", "steps": [{"name": "CheckRuntime", "action": "ExecuteBash",
-                                            "inputs": {"commands": [check, "test -f /etc/systemd/system/s4kv.service"]}}]},
+            {"name": "validate", "steps": [{
+                "name": "CheckRuntime", "action": "ExecuteBash",
+                "inputs": {"commands": [check, "test -f /etc/systemd/system/s4kv.service"]}}]},
         ],
     }, indent=1)
 

@@ -29,9 +29,12 @@ LOCKS = REPO / "deploy" / "locks"
 CUDA_LOCK = LOCKS / "runtime-cuda.txt"
 PROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 WHEEL_NAME = f"s4kv-{PROJECT_VERSION}-py3-none-any.whl"
-# The wheel's sources: the import packages and what pyproject.toml reads. Copied out of the tree before the
-# build so that stale build/ or egg-info folders never leak into it.
-WHEEL_SOURCES = ("pyproject.toml", "README.md", "runtime", "kernels")
+# The wheel's sources: pyproject.toml's packages (code, bundled models, held-out text) and the files it reads
+# (README, the extras' requirements files). Copied out of the tree before the build so that stale build/ or
+# egg-info folders never leak into it.
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "runtime", "kernels", "models", "data",
+                 "requirements-kernels.txt", "requirements-vllm.txt", "requirements-eval.txt",
+                 "requirements-test.txt", "requirements-dev.txt")
 # Zip timestamps of the wheel (setuptools honours SOURCE_DATE_EPOCH): the same sources give the same bytes, so
 # the same asset and the same user data, and a redeploy without changes does not replace the instance.
 SOURCE_DATE_EPOCH = "315532800"  # 1980-01-01, the earliest time a zip entry can carry
@@ -121,7 +124,9 @@ class RuntimeArtifacts:
         return cls(
             bucket=param("ArtifactBucket", BUCKET_PATTERN, f"S3 bucket holding the s4kv wheel and the lock {publish}"),
             wheel_key=param("WheelKey", KEY_PATTERN, f"Key of the s4kv wheel ({WHEEL_NAME}) in ArtifactBucket"),
-            wheel_sha256=param("WheelSha256", SHA256_PATTERN, "SHA-256 of the wheel (hex); the instance refuses another"),
-            lock_key=param("LockKey", KEY_PATTERN, "Key of the runtime lock (deploy/locks/runtime-cuda.txt) in ArtifactBucket"),
+            wheel_sha256=param("WheelSha256", SHA256_PATTERN,
+                               "SHA-256 of the wheel (hex); the instance refuses another"),
+            lock_key=param("LockKey", KEY_PATTERN,
+                           "Key of the runtime lock (deploy/locks/runtime-cuda.txt) in ArtifactBucket"),
             lock_sha256=param("LockSha256", SHA256_PATTERN, "SHA-256 of the lock (hex); the instance refuses another"),
         )

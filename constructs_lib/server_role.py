@@ -1,8 +1,8 @@
 """The server instance's IAM role and instance profile, least privilege.
 
-Exactly these: Session Manager (no SSH), writing its own CloudWatch log group, metrics in the S4KV namespace, reading its own secrets (the API
-key, and the Hugging Face token when one is given), reading the two runtime artifacts (DLAMI flavour), and
-signalling its own stack. No managed policies.
+Exactly these: Session Manager (no SSH), writing its own CloudWatch log group, metrics in the S4KV namespace,
+reading its own secrets (the API key, and the Hugging Face token when one is given), reading the two runtime
+artifacts (DLAMI flavour), and signalling its own stack. No managed policies.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class ServerRole(Construct):
             {"Sid": "SessionManager", "Effect": "Allow", "Action": SESSION_MANAGER_ACTIONS, "Resource": "*"},
             # The Arn attribute of a log group ends in ":*": its streams, nothing else.
             {"Sid": "OwnLogGroup", "Effect": "Allow", "Action": LOG_ACTIONS, "Resource": log_group_arn},
-            {"Sid": "OwnSecrets", "Effect": "Allow", "Action": "secretsmanager:GetSecretValue", "Resource": secret_arns},
+            {"Sid": "OwnSecrets", "Effect": "Allow", "Action": "secretsmanager:GetSecretValue",
+             "Resource": secret_arns},
             # scripts/publish-metrics.py; PutMetricData has no resource-level permission, the namespace condition
             # limits it to the S4KV namespace.
             {"Sid": "PublishS4kvMetrics", "Effect": "Allow", "Action": "cloudwatch:PutMetricData", "Resource": "*",
@@ -47,7 +48,8 @@ class ServerRole(Construct):
             statements.append(artifact_statement)
         self.role = iam.CfnRole(
             self, "Role",
-            description="S4 KV server: Session Manager, its log group, its secrets, its runtime artifacts, its stack's signal",
+            description="S4 KV server: Session Manager, its log group and metrics, its secrets and runtime artifacts, "
+                        "its stack's signal",
             assume_role_policy_document={"Version": "2012-10-17", "Statement": [{
                 "Effect": "Allow", "Action": "sts:AssumeRole", "Principal": {"Service": "ec2.amazonaws.com"}}]},
             policies=[iam.CfnRole.PolicyProperty(

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-HEAD_DIM = 128
+from s4kv.runtime.schemes import HEAD_DIM, KV_FORMATS
+
 HALF_DIM = HEAD_DIM // 2
-BYTES_PER_TOKEN = 136  # per KV head: K codes 64 + V codes 64 + V params 4 + K params 4
+BYTES_PER_TOKEN = KV_FORMATS["int4"].bytes_per_head_token(HEAD_DIM)  # K codes 64 + V codes 64 + V params 4 + K params 4
 KIVI_BLOCK_SIZE = 128  # a KIVI key group is one page: 128 channels x (scale, min) fill the K params
 
 

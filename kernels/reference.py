@@ -77,7 +77,8 @@ class PageViews:
 
     def __init__(self, kv_cache: torch.Tensor):
         if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3:
-            raise ValueError(f"kv_cache must be uint8 [blocks, kv_heads, page_bytes], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+            raise ValueError(
+                f"kv_cache must be uint8 [blocks, kv_heads, page_bytes], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
         nb, nh, page = kv_cache.shape
         if page % 136:
             raise ValueError(f"page of {page} bytes is not block_size * 136")

@@ -7,22 +7,20 @@ from typing import Any, Mapping
 
 import torch
 
+from s4kv.runtime.schemes import (DEFAULT_HADAMARD_BLOCK, KIVI, SAW, SAW_HADAMARD_BLOCKS, SCHEME_OPTIONS, SCHEMES,
+                                  SchemeName)
+
 from .hadamard import block_hadamard
 from .layout import HEAD_DIM
 
-KIVI = "int4_kivi"
-SAW = "int4_saw"
-SCHEMES = (KIVI, SAW)
-SAW_HADAMARD_BLOCKS = (32, 64, 128)
 # An open KIVI block stages its keys per token after the full-head rotation (see docs/format.md).
 KIVI_STAGING_BLOCK = 128
-_OPTIONS = {KIVI: {"scheme"}, SAW: {"scheme", "hadamard_block", "rotate_values"}}
 
 
 @dataclass(frozen=True)
 class Int4Scheme:
-    name: str
-    hadamard_block: int = 128
+    name: SchemeName
+    hadamard_block: int = DEFAULT_HADAMARD_BLOCK
     rotate_values: bool = False
 
     def __post_init__(self) -> None:
@@ -43,15 +41,16 @@ class Int4Scheme:
         name = options["scheme"]
         if name not in SCHEMES:
             raise ValueError(f"unknown s4kv scheme {name!r}: choose one of {', '.join(SCHEMES)}")
-        unknown = set(options) - _OPTIONS[name]
+        unknown = set(options) - SCHEME_OPTIONS[name]
         if unknown:
             raise ValueError(
-                f"unknown option(s) {sorted(unknown)} for {name}; allowed: {sorted(_OPTIONS[name])}"
+                f"unknown option(s) {sorted(unknown)} for {name}; allowed: {sorted(SCHEME_OPTIONS[name])}"
             )
         rotate_values = options.get("rotate_values", False)
         if not isinstance(rotate_values, bool):
             raise ValueError(f"rotate_values must be true or false, got {rotate_values!r}")
-        return cls(name=name, hadamard_block=options.get("hadamard_block", 128), rotate_values=rotate_values)
+        return cls(name=name, hadamard_block=options.get("hadamard_block", DEFAULT_HADAMARD_BLOCK),
+                   rotate_values=rotate_values)
 
     @property
     def is_kivi(self) -> bool:

@@ -21,6 +21,7 @@ from constructs_lib.server_instance import ServerInstance
 from constructs_lib.server_role import ServerRole
 from constructs_lib.settings import DeploySettings
 from constructs_lib.user_data import SERVER_PORT, user_data
+from s4kv.runtime.schemes import SERVED_SCHEMES
 from stacks.nag import acknowledge
 
 # The x86_64 "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04)", by the naming rule of the DLAMI
@@ -31,7 +32,7 @@ CIDR_PATTERN = r"^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})/(\d{1,2})$"
 VLLM_ARGS_PATTERN = r"^[A-Za-z0-9 ._=,:/+-]*$"  # no quotes or shell metacharacters: written to a sourced file
 BOOT_TIMEOUT_PATTERN = r"^PT([1-9][0-9]{0,2})M$"  # whole minutes, at most 999 (CloudFormation allows 12 h)
 SECRET_ARN_PATTERN = r"^(arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:\d{12}:secret:[A-Za-z0-9/_+=.@-]+)?$"
-SCHEMES = ["int4_kivi", "int4_saw", "bf16"]
+SCHEMES = list(SERVED_SCHEMES)
 
 
 class GpuServingStack(Stack):

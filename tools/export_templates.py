@@ -77,7 +77,8 @@ def export(context: dict | None = None) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-c", "--context", action="append", default=[], metavar="KEY=VALUE",
-                        help="CDK context, as for cdk synth (modelId, instanceType, scheme, maxModelLen, hfTokenSecretArn, modelConfig)")
+                        help="CDK context, as for cdk synth (modelId, instanceType, scheme, maxModelLen, "
+                             "hfTokenSecretArn, modelConfig)")
     parser.add_argument("--check", action="store_true", help="compare with deploy/ instead of writing")
     parser.add_argument("--out", type=Path, default=DEPLOY_DIR)
     args = parser.parse_args(argv)

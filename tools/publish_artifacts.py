@@ -2,7 +2,8 @@
 content-addressed keys, and prints the five template parameters that point at them.
 
     python tools/publish_artifacts.py --bucket my-artifacts --region us-east-1
-    python tools/publish_artifacts.py --bucket my-artifacts --lock deploy/locks/runtime-cuda.txt --wheel dist/s4kv-0.1.0-py3-none-any.whl
+    python tools/publish_artifacts.py --bucket my-artifacts --lock deploy/locks/runtime-cuda.txt \
+        --wheel dist/s4kv-0.1.0-py3-none-any.whl
 
 Keys: s4kv/<sha256>/<file name>. Needs boto3 and s3:PutObject on the bucket. ``cdk deploy`` does not need this:
 the CDK app ships the same two files as CDK assets.

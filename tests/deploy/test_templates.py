@@ -49,7 +49,8 @@ def test_security_group_allows_only_port_8000_from_the_cidr_parameter(serving):
     assert [{k: v for k, v in rule.items() if k != "Description"} for rule in ingress] == [
         {"CidrIp": {"Ref": "AllowedCidr"}, "FromPort": 8000, "IpProtocol": "tcp", "ToPort": 8000}]
     assert "Default" not in template["Parameters"]["AllowedCidr"], "the CIDR must have no default"
-    egress_ports = sorted(rule["FromPort"] for rule in _only(template, "AWS::EC2::SecurityGroup")["SecurityGroupEgress"])
+    egress = _only(template, "AWS::EC2::SecurityGroup")["SecurityGroupEgress"]
+    egress_ports = sorted(rule["FromPort"] for rule in egress)
     assert egress_ports == [80, 443]
 
 
@@ -66,7 +67,8 @@ def test_imdsv2_required_and_root_volume_encrypted_gp3_sized_by_parameter(servin
     Template.from_json(template).has_resource_properties("AWS::EC2::Instance", {
         "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
         "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {
-            "Encrypted": True, "VolumeType": "gp3", "VolumeSize": {"Ref": "RootVolumeGiB"}, "DeleteOnTermination": True}}],
+            "Encrypted": True, "VolumeType": "gp3", "VolumeSize": {"Ref": "RootVolumeGiB"},
+            "DeleteOnTermination": True}}],
         "Monitoring": True,
     })
 
@@ -93,7 +95,8 @@ def test_instance_role_is_least_privilege(serving):
     assert statements["PublishS4kvMetrics"]["Action"] == "cloudwatch:PutMetricData"
     assert statements["PublishS4kvMetrics"]["Condition"] == {"StringEquals": {"cloudwatch:namespace": "S4KV"}}
     assert statements["SignalOwnStack"] == {"Sid": "SignalOwnStack", "Effect": "Allow",
-                                            "Action": "cloudformation:SignalResource", "Resource": {"Ref": "AWS::StackId"}}
+                                            "Action": "cloudformation:SignalResource",
+                                            "Resource": {"Ref": "AWS::StackId"}}
     all_actions = json.dumps([s["Action"] for s in statements.values()])
     assert "*\"" not in all_actions.replace("ssmmessages:", ""), "no wildcard actions"
 
@@ -119,19 +122,21 @@ def test_user_data_installs_the_locked_runtime_from_s3_and_starts_s4kv_serve(syn
     dlami = _user_data_text(synthesis.template("S4kvServing"))
     marketplace = _user_data_text(synthesis.template("S4kvServingMarketplace"))
     assert "--require-hashes --no-deps" in dlami and 'sha256sum --check' in dlami
-    assert "pip install" not in marketplace and "S4KV_ARTIFACT_BUCKET" not in marketplace, "the baked AMI installs nothing"
+    assert "pip install" not in marketplace and "S4KV_ARTIFACT_BUCKET" not in marketplace, "the AMI has it all"
     for text in (dlami, marketplace):
         assert "systemctl enable --now s4kv.service" in text
         # Logs go to CloudWatch before anything is installed; the signal trap is armed before both.
         assert text.index("trap s4kv_on_exit EXIT") < text.index("-a fetch-config")
-        assert text.index("-a fetch-config") < text.index("--require-hashes" if "--require-hashes" in text else "systemctl enable")
+        first_install_or_start = "--require-hashes" if "--require-hashes" in text else "systemctl enable"
+        assert text.index("-a fetch-config") < text.index(first_install_or_start)
         assert text.index("/v1/completions") < text.index("s4kv_signal SUCCESS")
     variables = _user_data_variables(synthesis.template("S4kvServing"))
     assert variables["ModelId"] == "Qwen/Qwen2.5-7B-Instruct" and variables["SignalResource"] == "ServerInstance"
     assert {k: variables[k] for k in ("ArtifactBucket", "WheelKey", "WheelSha256", "LockKey", "LockSha256")} == {
         k: {"Ref": k} for k in ("ArtifactBucket", "WheelKey", "WheelSha256", "LockKey", "LockSha256")}
     exported = synthesis.template("S4kvServing")["Parameters"]
-    assert all("Default" not in exported[k] for k in ("ArtifactBucket", "WheelKey", "WheelSha256", "LockKey", "LockSha256"))
+    artifact_parameters = ("ArtifactBucket", "WheelKey", "WheelSha256", "LockKey", "LockSha256")
+    assert all("Default" not in exported[k] for k in artifact_parameters)
 
 
 def test_cdk_app_ships_the_wheel_and_lock_as_assets_and_reads_exactly_them(synthesis):
@@ -157,8 +162,8 @@ def test_settings_changes_replace_the_instance_and_it_waits_for_the_signal(servi
     [(name, instance)] = [(k, r) for k, r in template["Resources"].items() if r["Type"] == "AWS::EC2::Instance"]
     assert name == "ServerInstance"
     launch = _only(template, "AWS::EC2::LaunchTemplate")
-    assert instance["Properties"]["LaunchTemplate"]["Version"] == {"Fn::GetAtt": [
-        next(k for k, r in template["Resources"].items() if r["Type"] == "AWS::EC2::LaunchTemplate"), "LatestVersionNumber"]}
+    launch_id = next(k for k, r in template["Resources"].items() if r["Type"] == "AWS::EC2::LaunchTemplate")
+    assert instance["Properties"]["LaunchTemplate"]["Version"] == {"Fn::GetAtt": [launch_id, "LatestVersionNumber"]}
     assert "UserData" not in instance["Properties"] and "UserData" in launch["LaunchTemplateData"]
     assert instance["CreationPolicy"] == {"ResourceSignal": {"Count": 1, "Timeout": {"Ref": "BootTimeout"}}}
     variables = _user_data_variables(template)
@@ -196,7 +201,7 @@ def test_outputs_explain_endpoint_key_and_capacity(serving):
 
 
 def test_mapping_rows_are_the_capacity_plans(synthesis):
-    from s4kv.runtime import capacity, catalog, model_shapes
+    from s4kv.runtime.sizing import capacity, catalog, model_shapes
 
     model = model_shapes.load("Qwen/Qwen2.5-7B-Instruct")
     plans = synthesis.template("S4kvServing")["Mappings"]["ServingPlans"]

