@@ -16,7 +16,6 @@ from constructs import Construct
 
 from constructs_lib.runtime_artifacts import WHEEL_NAME, RuntimeArtifacts
 from constructs_lib.user_data import ROOT_LINE, install_script
-from s4kv.runtime.plugin.version import VLLM_VERSION
 
 VERSION = "1.0.0"
 ROOT_VOLUME_GIB = 100
@@ -38,8 +37,9 @@ def install_commands() -> str:
 
 def component_document() -> str:
     """The component's YAML document (JSON is YAML), with PLACEHOLDERS for the artifacts."""
-    check = ("/opt/s4kv/venv/bin/python -c \"import vllm, s4kv.runtime; "
-             f"assert vllm.__version__ == '{VLLM_VERSION}', vllm.__version__\"")
+    # The plugin's own version gate on the built environment: exit 1 with its sentence on another vLLM.
+    check = ("/opt/s4kv/venv/bin/python -c \"import sys, vllm; from s4kv.runtime.plugin.version import "
+             "vllm_version_mismatch; sys.exit(vllm_version_mismatch(vllm.__version__))\"")
     install = install_commands()
     return json.dumps({
         "name": "s4kv-runtime",
