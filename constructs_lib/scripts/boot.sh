@@ -23,6 +23,9 @@ started=$(date +%s)
 until [ "$(s4kv_call /dev/null /health)" = 200 ]; do
   restarts="$(systemctl show --property NRestarts --value s4kv.service)"
   [ "${restarts:-0}" -lt 3 ] || s4kv_fail "the server exited $restarts times (see the server log)"
+  # s4kv serve's refusals (exit 2 bad input, 3 unsupported) stop the unit: no restart will follow.
+  [ "$(systemctl show --property ActiveState --value s4kv.service)" != failed ] \
+    || s4kv_fail "the server refused to start (see the server log)"
   [ "$(date +%s)" -lt "$deadline" ] || s4kv_fail "no /health 200 within $minutes minutes"
   sleep 5
 done

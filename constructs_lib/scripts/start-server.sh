@@ -1,7 +1,7 @@
 #!/bin/bash
 # Starts the S4 KV server (systemd unit s4kv.service runs this as user s4kv).
-# The API key is read from Secrets Manager into VLLM_API_KEY, which vLLM reads itself: it is never in
-# argv (so not in `ps`), never in a file, never printed. /health stays open; /v1 needs the key.
+# The API key is read from Secrets Manager into VLLM_API_KEY, which `s4kv serve` reads from the environment: it is
+# never in argv (so not in `ps`), never in a file, never printed. Every route except GET /health needs the key.
 set -euo pipefail
 S4KV_HOME="${S4KV_HOME:-/opt/s4kv}"
 # shellcheck source=/dev/null
@@ -18,10 +18,6 @@ if [ -n "${S4KV_HF_TOKEN_SECRET_ARN:-}" ]; then
   export HF_TOKEN
 fi
 
-# Word splitting of the settings is intended: they are separate vLLM flags.
-# shellcheck disable=SC2086
-if [ "$S4KV_SCHEME" = "bf16" ]; then
-  exec "$S4KV_HOME/venv/bin/vllm" serve "$S4KV_MODEL" --port "$S4KV_PORT" $S4KV_VLLM_ARGS $S4KV_EXTRA_ARGS
-fi
+# Word splitting of the settings is intended: they are separate vLLM flags. bf16 runs through the same server.
 # shellcheck disable=SC2086
 exec "$S4KV_HOME/venv/bin/s4kv" serve "$S4KV_MODEL" --scheme "$S4KV_SCHEME" --port "$S4KV_PORT" $S4KV_VLLM_ARGS $S4KV_EXTRA_ARGS

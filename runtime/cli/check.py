@@ -2,7 +2,7 @@
 
 Reads only config.json (a local folder, a config.json path, or a Hugging Face id already in the local cache): no
 GPU, no weights, no network, no vLLM. Runs the same checks the engine runs at start-up (config.py).
-Exit status: 0 supported, 1 not supported, 2 bad input.
+Exit status: 0 supported, 3 not supported, 2 bad input (exit_codes.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import sys
 
 from s4kv.kernels.layout import BYTES_PER_TOKEN, HEAD_DIM
 
-from s4kv.runtime.plugin.config import EngineFacts, ModelFacts, engine_rejections, model_rejections, read_model_config
+from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED
+from s4kv.runtime.plugin.config import (EngineFacts, ModelFacts, as_sentence, engine_rejections, model_rejections,
+                                        read_model_config)
 from .serve import add_scheme_arguments, scheme_config
 
 BF16_BYTES_PER_TOKEN = 2 * 2 * HEAD_DIM  # K and V, 2 bytes per channel, per KV head
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         supported, line = verdict(args.model, args)
     except (OSError, ValueError) as err:
-        print(f"s4kv check: {err}", file=sys.stderr)
-        return 2
+        print(f"s4kv check: {as_sentence(err)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(line)
-    return 0 if supported else 1
+    return EXIT_OK if supported else EXIT_UNSUPPORTED

@@ -29,6 +29,8 @@ SUPPORTED_FAMILIES = "Qwen2, Qwen2.5 and Llama-3"
 _MLA_MODEL_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "minicpm3"}
 _FULL_ATTENTION_LAYER = "full_attention"
 _SLIDING_LAYER_TYPES = {"sliding_attention", "chunked_attention"}
+# vLLM's implementation of these computes head_dim = hidden_size / num_attention_heads and ignores a head_dim field.
+_HEAD_DIM_FROM_HIDDEN_SIZE = {"Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -86,33 +88,42 @@ class ModelFacts:
     hybrid: bool = False
     encoder_decoder: bool = False
     dual_chunk_attention: bool = False
+    logit_softcapping: bool = False
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any], name: str = "model") -> "ModelFacts":
-        layer_types = set(cfg.get("layer_types") or [])
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope = rope if isinstance(rope, Mapping) else {}
-        if cfg.get("use_sliding_window") is False:  # Qwen2 keeps a sliding_window value it does not use
+    def from_hf_config(cls, cfg: Any, name: str = "model") -> "ModelFacts":
+        """Facts from a config.json dict. Raises ValueError, naming the field, when a field has the wrong type.
+        A multimodal config keeps its language model's settings under ``text_config``, as vLLM reads them."""
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"the config.json of {name} must be a JSON object, got {_json_kind(cfg)}.")
+        text = _field(cfg, "text_config", Mapping, name) or cfg
+        where = f"{name} (text_config)" if text is not cfg else name
+        layer_types = set(_field(text, "layer_types", list, where, items=str) or [])
+        rope = _field(text, "rope_parameters", Mapping, where) or _field(text, "rope_scaling", Mapping, where) or {}
+        if _field(text, "use_sliding_window", bool, where) is False:  # Qwen2 keeps a sliding_window it does not use
             window_in_use = False
         else:
-            window_in_use = bool(cfg.get("sliding_window") or cfg.get("attention_chunk_size"))
+            window_in_use = bool(text.get("sliding_window") or text.get("attention_chunk_size"))
         hybrid_markers = (
             "layers_block_type", "hybrid_override_pattern", "mamba_d_state", "ssm_cfg", "linear_attn_config"
         )
+        architectures = tuple(_field(cfg, "architectures", list, name, items=str) or ())
+        model_type = _field(cfg, "model_type", str, name) or ""
         return cls(
             name=name,
-            architectures=tuple(cfg.get("architectures") or ()),
-            model_type=str(cfg.get("model_type", "")),
-            head_dim=_head_dim(cfg),
-            vocab_size=int(cfg.get("vocab_size") or 0),
-            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 0),
+            architectures=architectures,
+            model_type=model_type,
+            head_dim=_head_dim(text, architectures, where),
+            vocab_size=_field(text, "vocab_size", int, where) or 0,
+            rope_theta=float(_field(text, "rope_theta", float, where) or _field(rope, "rope_theta", float, where) or 0),
             rope_type=str(rope.get("rope_type") or rope.get("type") or ""),
-            uses_mla=bool(cfg.get("kv_lora_rank")) or cfg.get("model_type") in _MLA_MODEL_TYPES,
+            uses_mla=bool(text.get("kv_lora_rank")) or model_type in _MLA_MODEL_TYPES,
             sliding_window=window_in_use or bool(layer_types & _SLIDING_LAYER_TYPES),
             hybrid=bool(layer_types - _SLIDING_LAYER_TYPES - {_FULL_ATTENTION_LAYER})
-            or any(cfg.get(key) for key in hybrid_markers),
-            encoder_decoder=bool(cfg.get("is_encoder_decoder")),
-            dual_chunk_attention=bool(cfg.get("dual_chunk_attention_config")),
+            or any(text.get(key) for key in hybrid_markers),
+            encoder_decoder=bool(cfg.get("is_encoder_decoder") or text.get("is_encoder_decoder")),
+            dual_chunk_attention=bool(text.get("dual_chunk_attention_config")),
+            logit_softcapping=bool(_field(text, "attn_logit_softcapping", float, where)),
         )
 
     @classmethod
@@ -121,10 +132,11 @@ class ModelFacts:
         hf = model_config.hf_text_config
         facts = cls.from_hf_config(hf.to_dict(), name=str(model_config.model))
         architectures = tuple(getattr(model_config.hf_config, "architectures", None) or facts.architectures)
+        derived_head_dim = any(a in _HEAD_DIM_FROM_HIDDEN_SIZE for a in architectures)
         return replace(
             facts,
             architectures=architectures,
-            head_dim=model_config.get_head_size(),
+            head_dim=facts.head_dim if derived_head_dim else model_config.get_head_size(),
             uses_mla=facts.uses_mla or bool(model_config.use_mla),
             sliding_window=facts.sliding_window or model_config.get_sliding_window() is not None,
             hybrid=facts.hybrid or bool(model_config.is_hybrid),
@@ -146,12 +158,43 @@ class ModelFacts:
         return None
 
 
-def _head_dim(cfg: Mapping[str, Any]) -> int | None:
-    if cfg.get("head_dim"):
-        return int(cfg["head_dim"])
-    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
-        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
-    return None
+def _head_dim(cfg: Mapping[str, Any], architectures: tuple[str, ...], where: str) -> int | None:
+    """The head size the model's vLLM implementation uses."""
+    hidden, heads = _field(cfg, "hidden_size", int, where), _field(cfg, "num_attention_heads", int, where)
+    derived = hidden // heads if hidden and heads else None
+    if any(a in _HEAD_DIM_FROM_HIDDEN_SIZE for a in architectures):
+        return derived
+    return _field(cfg, "head_dim", int, where) or derived
+
+
+def _field(cfg: Mapping[str, Any], key: str, kind: type, where: str, items: type | None = None) -> Any:
+    """cfg[key] when present and of the expected JSON type, else None; ValueError naming the field otherwise."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and (items is None or all(isinstance(item, items) for item in value))
+    if not ok:
+        expected = {float: "a number", int: "an integer", str: "a string", bool: "true or false",
+                    Mapping: "an object", list: f"a list of {_JSON_KINDS.get(items, 'values')}"}[kind]
+        raise ValueError(f"{key} in the config.json of {where} must be {expected}, got {_json_kind(value)}.")
+    return value
+
+
+_JSON_KINDS = {str: "strings", int: "integers"}
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    kind = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number"}
+    return f"{kind.get(type(value), type(value).__name__)} {json.dumps(value)[:40]}"
 
 
 @dataclass(frozen=True)
@@ -242,11 +285,14 @@ def model_rejections(config: S4KVConfig, model: ModelFacts) -> list[str]:
         reasons.append(f"{model.name} is an encoder-decoder model; {scheme} supports decoder-only self-attention.")
     if model.dual_chunk_attention:
         reasons.append(f"{model.name} uses dual-chunk attention, which {scheme} does not support.")
+    if model.logit_softcapping:
+        reasons.append(f"{model.name} soft-caps its attention logits, which {scheme} does not support.")
     if model.family is None and not config.allow_unsupported_model:
         reasons.append(
             f"{model.name} ({'/'.join(model.architectures) or 'no architecture'}, model_type {model.model_type!r}) is "
-            f"outside the {SUPPORTED_FAMILIES} families S4 KV is validated on; set "
-            f'"{ALLOW_UNSUPPORTED_MODEL}": true in the s4kv options to run it anyway.'
+            f"outside the {SUPPORTED_FAMILIES} families S4 KV is validated on; to run it anyway pass "
+            f"--allow-unsupported-model to s4kv serve or s4kv check, or set "
+            f'"{ALLOW_UNSUPPORTED_MODEL}": true in the s4kv options of vllm serve or Python.'
         )
     return reasons
 
@@ -258,6 +304,12 @@ def missing_backend_message(config: S4KVConfig, selected: str | None) -> str:
         f'(Python: attention_config={{"backend": "{ATTENTION_BACKEND}"}}), otherwise vLLM would run a different '
         f"KV format."
     )
+
+
+def as_sentence(err: Exception) -> str:
+    """An error's message as printed on the command line: one line ending in a full stop."""
+    text = " ".join(str(err).split())
+    return text if text.endswith(".") else text + "."
 
 
 class S4KVConfigError(ValueError):
@@ -292,10 +344,13 @@ def read_model_config(model: str) -> tuple[dict[str, Any], str]:
     if not path or not os.path.isfile(path):
         raise FileNotFoundError(
             f"no config.json for {model!r}: pass a local model folder, its config.json, or a Hugging Face id "
-            "already in the local cache (nothing is downloaded)"
+            "already in the local cache (nothing is downloaded)."
         )
     with open(path, encoding="utf-8") as handle:
-        return json.load(handle), name
+        try:
+            return json.load(handle), name
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err.msg}, line {err.lineno} column {err.colno}).") from None
 
 
 def _cached_hub_config(repo_id: str) -> str | None:

@@ -185,7 +185,7 @@ def _report(plan_: Plan, model: model_shapes.ModelShape, instance: catalog.Insta
                      f"{row.concurrent_requests:>20}{ratio:>9}")
     lines.append(f"vLLM settings for {plan_.scheme}: {' '.join(plan_.vllm_args())}")
     served = "MODEL" if model.name.endswith(".json") else model.name  # a bare config.json is not servable
-    command = f"vllm serve {served}" if plan_.scheme == "bf16" else f"s4kv serve {served} --scheme {plan_.scheme}"
+    command = f"s4kv serve {served} --scheme {plan_.scheme}"  # bf16 too: the same server, key and exit statuses
     lines.append(f"serve with: {command} {' '.join(plan_.vllm_args())}")
     return "\n".join(lines)
 

@@ -63,13 +63,47 @@ REJECTED_MODELS = {
         dict(QWEN25_7B, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128),
         ["outside the Qwen2, Qwen2.5 and Llama-3 families"],
     ),
+    # vLLM's Qwen2 computes head_dim = hidden_size / heads (1792 / 28 = 64) and ignores the head_dim field.
+    "qwen2_head_dim_field_ignored": (
+        dict(QWEN25_7B, hidden_size=1792, head_dim=128),
+        ["head_dim 64", "head_dim 128 only"],
+    ),
+    "logit_softcapping": (
+        dict(LLAMA31_8B, attn_logit_softcapping=50.0),
+        ["soft-caps its attention logits"],
+    ),
+    # Gemma-3 multimodal: the language model's settings live under text_config (head_dim 256, sliding layers).
+    "gemma3_multimodal": (
+        {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+         "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "num_attention_heads": 8,
+                         "num_key_value_heads": 4, "head_dim": 256, "num_hidden_layers": 34, "vocab_size": 262208,
+                         "sliding_window": 1024, "rope_theta": 1000000.0,
+                         "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5
+                         + ["sliding_attention"] * 4},
+         "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}},
+        ["head_dim 256", "sliding-window attention", "outside the Qwen2, Qwen2.5 and Llama-3 families"],
+    ),
+}
+# config.json contents that are not a usable config: name -> (raw file text, words of the one-sentence error)
+MALFORMED_CONFIGS = {
+    "a_list": ("[]", ["must be a JSON object, got a list"]),
+    "null": ("null", ["must be a JSON object, got null"]),
+    "a_string": ('"Qwen2"', ["must be a JSON object, got a string"]),
+    "not_json": ('{"architectures": ["Qwen2ForCausalLM"],', ["config.json is not valid JSON", "line 1"]),
+    "architectures_string": (json.dumps(dict(QWEN25_7B, architectures="Qwen2ForCausalLM")),
+                             ["architectures", "must be a list of strings, got a string"]),
+    "layer_types_string": (json.dumps(dict(QWEN25_7B, layer_types="full_attention")),
+                           ["layer_types", "must be a list of strings"]),
+    "vocab_size_string": (json.dumps(dict(QWEN25_7B, vocab_size="152064")),
+                          ["vocab_size", "must be an integer, got a string"]),
+    "text_config_list": (json.dumps(dict(QWEN25_7B, text_config=[])), ["text_config", "must be an object"]),
 }
 ACCEPTED_MODELS = {"qwen2.5-7b": QWEN25_7B, "llama-3.1-8b": LLAMA31_8B}
 
 
-def write_model_dir(root: Path, name: str, config: dict) -> Path:
-    """A model folder holding only config.json (and no weights)."""
+def write_model_dir(root: Path, name: str, config: dict | str) -> Path:
+    """A model folder holding only config.json (and no weights); a str is written as the file's raw text."""
     path = root / name
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
     return path

@@ -1,8 +1,9 @@
 """Every accept/reject rule of the plugin, decided from config.json alone (no GPU, no weights, no engine).
 
 The same rules run in three places; each is exercised here: `s4kv check` (the CLI a user runs), `s4kv serve`'s
-pre-check, and the engine's own check on a real vLLM VllmConfig built from the same config.json
-(``check_vllm_config``, what the backend calls while vLLM builds the model, before weights load).
+pre-check (``--dry-run``: vLLM's own parser and config, then our checks, before any engine exists), and the engine's
+own check on a real vLLM VllmConfig built from the same config.json (``check_vllm_config``, what the backend calls
+while vLLM builds the model, before weights load). The three agree case by case.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from s4kv.runtime.plugin.config import (
     model_rejections,
 )
 
-from model_configs import ACCEPTED_MODELS, LLAMA31_8B, QWEN25_7B, REJECTED_MODELS, write_model_dir
+from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED
+
+from model_configs import (
+    ACCEPTED_MODELS,
+    LLAMA31_8B,
+    MALFORMED_CONFIGS,
+    QWEN25_7B,
+    REJECTED_MODELS,
+    write_model_dir,
+)
 
 KIVI = S4KVConfig.parse({"scheme": "int4_kivi"})
 SAW = S4KVConfig.parse({"scheme": "int4_saw"})
@@ -44,7 +54,7 @@ def test_check_rejects_model(case, scheme, tmp_path, capsys):
     config, words = REJECTED_MODELS[case]
     model = write_model_dir(tmp_path, case, config)
     code, out = run_cli(capsys, "check", str(model), "--scheme", scheme)
-    assert code == 1, out
+    assert code == EXIT_UNSUPPORTED, out
     assert out.startswith(f"{case}: not supported with {scheme}."), out
     assert_one_sentence_per_cause(out, words)
 
@@ -60,23 +70,36 @@ def test_check_accepts_supported_families(case, tmp_path, capsys):
 def test_family_opt_in_lifts_only_the_family_rule(tmp_path, capsys):
     llama2 = write_model_dir(tmp_path, "llama2", REJECTED_MODELS["llama2_family"][0])
     code, out = run_cli(capsys, "check", str(llama2), "--allow-unsupported-model")
-    assert code == 0, out
+    assert code == EXIT_OK, out
     mistral = write_model_dir(tmp_path, "mistral", REJECTED_MODELS["sliding_window_mistral"][0])
     code, out = run_cli(capsys, "check", str(mistral), "--allow-unsupported-model")
-    assert code == 1 and "sliding-window attention" in out and "families" not in out, out
+    assert code == EXIT_UNSUPPORTED and "sliding-window attention" in out and "families" not in out, out
 
 
 def test_check_block_size(tmp_path, capsys):
     model = write_model_dir(tmp_path, "qwen", QWEN25_7B)
     code, out = run_cli(capsys, "check", str(model), "--block-size", "16")
-    assert code == 1
+    assert code == EXIT_UNSUPPORTED
     assert_one_sentence_per_cause(out, ["int4_kivi needs --block-size 128", "got 16"])
     assert run_cli(capsys, "check", str(model), "--block-size", "128")[0] == 0
 
 
 def test_check_missing_config_is_bad_input(tmp_path, capsys):
     code, out = run_cli(capsys, "check", str(tmp_path / "nothing-here"))
-    assert code == 2 and "no config.json" in out
+    assert code == EXIT_BAD_INPUT and "no config.json" in out
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_CONFIGS))
+@pytest.mark.parametrize("command", ["check", "serve"])
+def test_malformed_config_is_bad_input_in_one_sentence(case, command, tmp_path, capsys):
+    text, words = MALFORMED_CONFIGS[case]
+    model = write_model_dir(tmp_path, case, text)
+    argv = [command, str(model)] + (["--scheme", "int4_kivi", "--dry-run"] if command == "serve" else [])
+    code, out = run_cli(capsys, *argv)
+    assert code == EXIT_BAD_INPUT, out
+    (line,) = [line for line in out.splitlines() if line.startswith(f"s4kv {command}: ")]
+    assert_one_sentence_per_cause(line, words)
+    assert "/".join("Qwen2") not in out
 
 
 # ------------------------------------------------------------------------------------------ options
@@ -136,20 +159,143 @@ def test_llama3_is_told_apart_from_llama2():
 
 
 # ------------------------------------------------------------------------------------------ serve's pre-check
-def test_serve_prechecks_and_builds_the_vllm_command(tmp_path, capsys):
-    bad = write_model_dir(tmp_path, "head64", REJECTED_MODELS["head_dim_64"][0])
-    code, out = run_cli(capsys, "serve", str(bad), "--scheme", "int4_kivi", "--dry-run")
-    assert code == 1 and "head_dim 64" in out
+def serve_dry_run(capsys, model, *flags: str) -> tuple[int, str]:
+    return run_cli(capsys, "serve", str(model), "--dry-run", *flags)
+
+
+def refusal(out: str) -> str:
+    """The one line `s4kv serve` refuses with (the command it prints first is not part of it)."""
+    lines = [line for line in out.splitlines()
+             if line.startswith("s4kv serve: ") and not line.startswith("s4kv serve: vllm serve ")
+             and "no API key" not in line]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_serve_builds_the_vllm_command(tmp_path, capsys):
     good = write_model_dir(tmp_path, "qwen", QWEN25_7B)
-    code, out = run_cli(capsys, "serve", str(good), "--scheme", "int4_saw", "--hadamard-block", "64", "--port", "8123",
-                        "--dry-run", "--max-model-len", "4096")
-    assert code == 0, out
-    command = out.strip().split("s4kv serve: ", 1)[1]
+    code, out = serve_dry_run(capsys, good, "--scheme", "int4_saw", "--hadamard-block", "64", "--port", "8123",
+                              "--max-model-len", "4096")
+    assert code == EXIT_OK, out
+    command = out.split("s4kv serve: ", 1)[1].splitlines()[0]
     assert command.startswith(f"vllm serve {good} --kv-cache-dtype int4_per_token_head --attention-backend CUSTOM")
     assert '"scheme": "int4_saw", "hadamard_block": 64' in command
     assert command.endswith("--port 8123 --max-model-len 4096")
-    code, out = run_cli(capsys, "serve", str(good), "--scheme", "int4_saw", "--attention-backend", "FLASH_ATTN")
-    assert code == 2 and "remove --attention-backend" in out
+    assert "--middleware" not in command  # no key set: nothing to demand
+    code, out = serve_dry_run(capsys, good, "--scheme", "bf16")
+    assert code == EXIT_OK and f"vllm serve {good} --port 8000\n" in out, out
+
+
+def test_serve_with_a_key_loads_the_middleware_and_never_prints_the_key(tmp_path, capsys, monkeypatch):
+    good = write_model_dir(tmp_path, "qwen", QWEN25_7B)
+    key_file = tmp_path / "key"
+    key_file.write_text("sekrit-123\n")
+    monkeypatch.setenv("S4KV_API_KEY_FILE", str(key_file))
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    code, out = serve_dry_run(capsys, good, "--scheme", "int4_kivi")
+    assert code == EXIT_OK, out
+    assert "--middleware s4kv.runtime.plugin.api_key.ApiKeyMiddleware" in out and "sekrit" not in out
+
+
+@pytest.mark.parametrize("flags, status, words", [
+    # engine features S4 KV refuses, before vLLM builds the engine
+    (["--scheme", "int4_kivi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+      '"prompt_lookup_max": 3}'], EXIT_UNSUPPORTED, ["int4_kivi cannot run with speculative decoding"]),
+    (["--scheme", "int4_saw", "--kv-cache-dtype-skip-layers", "0"], EXIT_UNSUPPORTED,
+     ["int4_saw cannot keep some layers in bf16", "--kv-cache-dtype-skip-layers 0"]),
+    (["--scheme", "int4_kivi", "--block-size", "16"], EXIT_UNSUPPORTED, ["needs --block-size 128", "got 16"]),
+    (["--scheme", "int4_kivi", "--kv-transfer-config", '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'],
+     EXIT_UNSUPPORTED, ["cannot run with a KV connector"]),
+    # settings that contradict what s4kv serve sets, or vLLM's own validation
+    (["--scheme", "int4_saw", "--attention-config", '{"backend": "FLASH_ATTN"}'], EXIT_BAD_INPUT,
+     ["sets the KV cache dtype, the attention backend", "remove the backend in --attention-config"]),
+    (["--scheme", "int4_saw", "--attention-backend", "FLASH_ATTN"], EXIT_BAD_INPUT, ["remove --attention-backend"]),
+    (["--scheme", "int4_saw", "--kv-cache-dtype=fp8"], EXIT_BAD_INPUT, ["remove --kv-cache-dtype=fp8"]),
+    (["--scheme", "int4_kivi", "--max-model-len", "100000"], EXIT_BAD_INPUT,
+     ["max_model_len (100000) is greater than", "32768", "lower --max-model-len"]),
+    (["--scheme", "int4_kivi", "--api-key", "sekrit"], EXIT_BAD_INPUT, ["takes no --api-key", "S4KV_API_KEY_FILE"]),
+    (["--scheme", "int4_kivi", "--api_key=sekrit"], EXIT_BAD_INPUT, ["takes no --api-key"]),
+    (["--scheme", "int4_kivi", "--api-server-count", "2", "--headless"], EXIT_BAD_INPUT,
+     ["runs one HTTP API server process", "remove --api-server-count and --headless"]),
+    (["--scheme", "int4_kivi", "--kv_cache_dtype", "fp8"], EXIT_BAD_INPUT, ["remove --kv_cache_dtype"]),
+    (["--scheme", "bf16", "--hadamard-block", "64"], EXIT_BAD_INPUT, ["--scheme bf16 takes none of them"]),
+    (["--scheme", "int4_kivi", "--hadamard-block", "64"], EXIT_BAD_INPUT, ["unknown option(s) ['hadamard_block']"]),
+])
+def test_serve_refuses_before_the_engine_in_one_sentence(flags, status, words, tmp_path, capsys):
+    model = write_model_dir(tmp_path, "qwen", QWEN25_7B)
+    code, out = serve_dry_run(capsys, model, *flags)
+    assert code == status, out
+    assert_one_sentence_per_cause(refusal(out), words)
+    assert "sekrit" not in out
+
+
+def test_serve_refuses_in_a_real_process_without_a_traceback(tmp_path):
+    """The whole output of the `s4kv` process (vLLM's logging included): the command line, then one sentence."""
+    import subprocess
+    import sys
+
+    model = write_model_dir(tmp_path, "qwen", QWEN25_7B)
+    done = subprocess.run([sys.executable, "-m", "s4kv.runtime.cli", "serve", str(model), "--scheme", "int4_kivi",
+                           "--host", "127.0.0.1", "--speculative-config", '{"method": "ngram", '
+                           '"num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == EXIT_UNSUPPORTED, done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "s4kv serve: int4_kivi cannot run with speculative decoding: rejected draft tokens would rewrite keys of a "
+        "block that was already quantized per channel.")
+
+
+def test_serve_refuses_a_missing_model_folder(capsys):
+    code, out = serve_dry_run(capsys, "/nonexistent/model", "--scheme", "int4_kivi")
+    assert code == EXIT_BAD_INPUT
+    assert_one_sentence_per_cause(refusal(out), ["no model folder at /nonexistent/model"])
+
+
+@pytest.mark.parametrize("environ, words", [
+    ({"S4KV_API_KEY_FILE": "/nonexistent/key"}, ["cannot be read"]),
+    ({"S4KV_API_KEY_FILE": "EMPTY"}, ["holds no key"]),
+    ({"S4KV_API_KEY_FILE": "EMPTY", "VLLM_API_KEY": "k"}, ["either S4KV_API_KEY_FILE or VLLM_API_KEY"]),
+])
+def test_serve_refuses_unusable_key_settings(environ, words, tmp_path, capsys, monkeypatch):
+    (tmp_path / "empty").write_text("\n")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, str(tmp_path / "empty") if value == "EMPTY" else value)
+    code, out = serve_dry_run(capsys, write_model_dir(tmp_path, "qwen", QWEN25_7B), "--scheme", "int4_kivi")
+    assert code == EXIT_BAD_INPUT
+    assert_one_sentence_per_cause(refusal(out), words)
+
+
+# The cases vLLM 0.26.0 itself can build a config for; the others (hybrid Qwen3-Next, BART, Gemma-3 multimodal) fail
+# in vLLM's own model inspection, so only `s4kv check` and `s4kv serve` judge them.
+VLLM_CONFIGURABLE = sorted(set(REJECTED_MODELS) - {"hybrid", "encoder_decoder", "gemma3_multimodal"})
+
+
+@pytest.mark.parametrize("case", sorted(REJECTED_MODELS) + sorted(ACCEPTED_MODELS))
+def test_check_serve_and_engine_agree(case, tmp_path, capsys):
+    """`s4kv check`, `s4kv serve`'s pre-check and the engine's own check on vLLM's config: the same verdict, each
+    naming the same causes in one sentence per cause."""
+    from s4kv.runtime.plugin.config import check_vllm_config
+
+    config, words = REJECTED_MODELS[case] if case in REJECTED_MODELS else (ACCEPTED_MODELS[case], [])
+    model = write_model_dir(tmp_path, case, config)
+    expected = EXIT_UNSUPPORTED if words else EXIT_OK
+    check_code, check_out = run_cli(capsys, "check", str(model), "--scheme", "int4_kivi")
+    serve_code, serve_out = serve_dry_run(capsys, model, "--scheme", "int4_kivi")
+    assert (check_code, serve_code) == (expected, expected), check_out + serve_out
+    if words:
+        assert_one_sentence_per_cause(check_out, words)
+        assert_one_sentence_per_cause(refusal(serve_out), words)
+    if case not in VLLM_CONFIGURABLE + sorted(ACCEPTED_MODELS):
+        return
+    vllm_config = _vllm_config(model, additional_config={"s4kv": {"scheme": "int4_kivi"}}, **S4KV_ENGINE_ARGS)
+    if not words:
+        assert check_vllm_config(vllm_config) is not None
+        return
+    with pytest.raises(S4KVConfigError) as err:
+        check_vllm_config(vllm_config)
+    assert_one_sentence_per_cause(str(err.value), words)
 
 
 # ------------------------------------------------------------------------------------------ the engine's check
@@ -219,3 +365,13 @@ def test_engine_check_on_engine_features(engine_kwargs, words, saw_accepted, tmp
     else:
         with pytest.raises(S4KVConfigError):
             check_vllm_config(saw)
+
+
+def test_serve_refuses_a_key_in_a_config_file(tmp_path, capsys):
+    """vLLM's --config YAML is read into the same arguments, and vLLM would log the key among them."""
+    (tmp_path / "serve.yaml").write_text("api-key: sekrit\n")
+    code, out = serve_dry_run(capsys, write_model_dir(tmp_path, "qwen", QWEN25_7B), "--scheme", "int4_kivi",
+                              "--config", str(tmp_path / "serve.yaml"))
+    assert code == EXIT_BAD_INPUT
+    assert_one_sentence_per_cause(refusal(out), ["not even in a --config file"])
+    assert "sekrit" not in out

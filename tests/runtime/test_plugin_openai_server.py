@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,7 +43,7 @@ def server(tmp_path_factory):
     except (RuntimeError, TimeoutError):
         stop(process)
         pytest.fail("server did not start:\n" + log_path.read_text()[-8000:])
-    yield base_url, log_path
+    yield base_url, log_path, process
     stop(process)
 
 
@@ -109,6 +110,14 @@ def test_concurrent_requests(client):
     for thread in threads:
         thread.join(timeout=600)
     assert answers == {i: FACTS[i][1] for i in range(len(FACTS))}
+
+
+def test_sigterm_stops_the_server_with_status_0(server):
+    """What `systemctl stop` sends: a clean exit, not mistaken for an engine death (runs last: it stops the server)."""
+    process = server[2]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 0, server[1].read_text()[-4000:]
+    assert "the engine died" not in server[1].read_text()
 
 
 def test_demo_command(tmp_path):
