@@ -1,9 +1,9 @@
 """EC2 Image Builder recipe and pipeline that bake the S4 KV AMI for the marketplace flavour.
 
-The AMI is the Deep Learning AMI plus exactly what the DLAMI flavour installs at boot (the same
-install script), so an instance of it only writes its settings and starts the server.
-Image Builder components and recipes are immutable per name and version: the names carry a hash of
-the install script, so a changed script makes new ones instead of failing the update.
+The AMI is the Deep Learning AMI plus exactly what the DLAMI flavour installs at boot (the same install
+script, from the same wheel and lock in S3), so an instance of it only writes its settings and starts the server.
+Image Builder components and recipes are immutable per name and version: the names carry a hash of the install
+script and the wheel's SHA-256, so a changed script or wheel makes new ones instead of failing the update.
 """
 
 from __future__ import annotations
@@ -14,18 +14,33 @@ import json
 from aws_cdk import Fn, aws_iam as iam, aws_imagebuilder as imagebuilder
 from constructs import Construct
 
-from constructs_lib.user_data import install_script
+from constructs_lib.runtime_artifacts import WHEEL_NAME, RuntimeArtifacts
+from constructs_lib.user_data import ROOT_LINE, install_script
 
 VERSION = "1.0.0"
 ROOT_VOLUME_GIB = 100
 
 
-def component_document(vllm_pip_spec: str, s4kv_pip_spec: str) -> str:
-    """The component's YAML document (JSON is YAML). The pip specs are fixed at synth time."""
-    install = (f"set -euo pipefail\nVLLM_PIP_SPEC='{vllm_pip_spec}'\nS4KV_PIP_SPEC='{s4kv_pip_spec}'\n"
-               + install_script())
-    check = ("/opt/s4kv/venv/bin/python -c \"import vllm, s4kv.runtime; "
-             "assert vllm.__version__ == '" + vllm_pip_spec.split("==")[-1] + "', vllm.__version__\"")
+# Where the artifacts' values go into the document (replaced by tokens in ``component_data``).
+PLACEHOLDERS = {name: f"@@{name}@@" for name in RuntimeArtifacts.__dataclass_fields__}
+
+
+def install_commands() -> str:
+    """The build step: the artifacts' location as shell variables, a failure helper, then the install script."""
+    settings = {"S4KV_ARTIFACT_BUCKET": "bucket", "S4KV_WHEEL_KEY": "wheel_key", "S4KV_WHEEL_SHA256": "wheel_sha256",
+                "S4KV_LOCK_KEY": "lock_key", "S4KV_LOCK_SHA256": "lock_sha256"}
+    lines = [f"{env}='{PLACEHOLDERS[field]}'" for env, field in settings.items()]
+    return ("set -euo pipefail\n" + ROOT_LINE + "\n".join(lines) + f"\nS4KV_WHEEL_NAME='{WHEEL_NAME}'\n"
+            'AWS_REGION="$(cloud-init query region)"\n'
+            's4kv_fail() { echo "s4kv: FAILED: $1" >&2; exit 1; }\n' + install_script())
+
+
+def component_document() -> str:
+    """The component's YAML document (JSON is YAML), with PLACEHOLDERS for the artifacts."""
+    # The plugin's own version gate on the built environment: exit 1 with its sentence on another vLLM.
+    check = ("/opt/s4kv/venv/bin/python -c \"import sys, vllm; from s4kv.runtime.plugin.version import "
+             "vllm_version_mismatch; sys.exit(vllm_version_mismatch(vllm.__version__))\"")
+    install = install_commands()
     return json.dumps({
         "name": "s4kv-runtime",
         "description": "vLLM and the S4 KV plugin in /opt/s4kv, the CloudWatch agent, the s4kv systemd unit",
@@ -40,17 +55,30 @@ def component_document(vllm_pip_spec: str, s4kv_pip_spec: str) -> str:
     }, indent=1)
 
 
+def component_data(artifacts: RuntimeArtifacts) -> str:
+    """The document with the artifacts' values (tokens: their patterns hold no JSON-special character)."""
+    parts, rest = [], component_document()
+    for field, placeholder in PLACEHOLDERS.items():
+        before, rest = rest.split(placeholder)
+        parts += [before, getattr(artifacts, field)]
+    return Fn.join("", parts + [rest])
+
+
 class S4kvImagePipeline(Construct):
     def __init__(self, scope: Construct, id: str, *, parent_image: str, build_instance_type: str,
-                 vllm_pip_spec: str, s4kv_pip_spec: str, regions: tuple[str, ...] = ()) -> None:
+                 artifacts: RuntimeArtifacts, regions: tuple[str, ...] = ()) -> None:
         super().__init__(scope, id)
-        document = component_document(vllm_pip_spec, s4kv_pip_spec)
-        tag = hashlib.sha256(document.encode()).hexdigest()[:10]
+        tag = hashlib.sha256(component_document().encode()).hexdigest()[:10]
+
+        def name(prefix: str) -> str:
+            return Fn.join("-", [prefix, tag, artifacts.wheel_sha256])
+
         component = imagebuilder.CfnComponent(
-            self, "Component", name=f"s4kv-runtime-{tag}", platform="Linux", version=VERSION, data=document,
+            self, "Component", name=name("s4kv-runtime"), platform="Linux", version=VERSION,
+            data=component_data(artifacts),
             description="S4 KV runtime: vLLM 0.26.0, the s4kv plugin, CloudWatch agent, systemd unit")
         recipe = imagebuilder.CfnImageRecipe(
-            self, "Recipe", name=f"s4kv-server-{tag}", version=VERSION, parent_image=parent_image,
+            self, "Recipe", name=name("s4kv-server"), version=VERSION, parent_image=parent_image,
             components=[imagebuilder.CfnImageRecipe.ComponentConfigurationProperty(component_arn=component.attr_arn)],
             block_device_mappings=[imagebuilder.CfnImageRecipe.InstanceBlockDeviceMappingProperty(
                 device_name="/dev/sda1", ebs=imagebuilder.CfnImageRecipe.EbsInstanceBlockDeviceSpecificationProperty(
@@ -64,7 +92,9 @@ class S4kvImagePipeline(Construct):
             managed_policy_arns=[
                 Fn.sub("arn:${AWS::Partition}:iam::aws:policy/EC2InstanceProfileForImageBuilder"),
                 Fn.sub("arn:${AWS::Partition}:iam::aws:policy/AmazonSSMManagedInstanceCore"),
-            ])
+            ],
+            policies=[iam.CfnRole.PolicyProperty(policy_name="S4kvRuntimeArtifacts", policy_document={
+                "Version": "2012-10-17", "Statement": [artifacts.read_statement()]})])
         profile = iam.CfnInstanceProfile(self, "BuildInstanceProfile", roles=[self.role.ref])
         infrastructure = imagebuilder.CfnInfrastructureConfiguration(
             self, "Infrastructure", name=f"s4kv-build-{tag}", instance_profile_name=profile.ref,

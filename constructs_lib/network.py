@@ -1,7 +1,8 @@
 """A one-subnet public network for the server and its security group: port 8000 from one CIDR, no SSH.
 
-L1 resources, so that the subnet's availability zone can be a template parameter (GPU types are not
-offered in every zone) and the template stays region-agnostic for StackSets.
+L1 resources, so that the subnet's zone can come from the template (GPU types are not offered in every zone)
+and the template stays region-agnostic for StackSets: either a zone name the user gives, or an availability-zone
+ID (the same physical zone in every account) that offers the instance type.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ SUBNET_CIDR = "10.42.0.0/20"
 class ServingNetwork(Construct):
     """VPC with flow logs, one public subnet in ``availability_zone``, and the server's security group."""
 
-    def __init__(self, scope: Construct, id: str, *, availability_zone: str, allowed_cidr: str, port: int) -> None:
+    def __init__(self, scope: Construct, id: str, *, availability_zone: str, availability_zone_id: str,
+                 allowed_cidr: str, port: int) -> None:
+        """``availability_zone`` / ``availability_zone_id``: tokens of which one resolves to AWS::NoValue."""
         super().__init__(scope, id)
         self.vpc = ec2.CfnVPC(self, "Vpc", cidr_block=VPC_CIDR, enable_dns_hostnames=True, enable_dns_support=True)
         gateway = ec2.CfnInternetGateway(self, "InternetGateway")
         attachment = ec2.CfnVPCGatewayAttachment(self, "GatewayAttachment", vpc_id=self.vpc.ref,
                                                  internet_gateway_id=gateway.ref)
         self.subnet = ec2.CfnSubnet(self, "PublicSubnet", vpc_id=self.vpc.ref, cidr_block=SUBNET_CIDR,
-                                    availability_zone=availability_zone, map_public_ip_on_launch=True)
+                                    availability_zone=availability_zone, availability_zone_id=availability_zone_id,
+                                    map_public_ip_on_launch=True)
         routes = ec2.CfnRouteTable(self, "RouteTable", vpc_id=self.vpc.ref)
         default_route = ec2.CfnRoute(self, "DefaultRoute", route_table_id=routes.ref,
                                      destination_cidr_block="0.0.0.0/0", gateway_id=gateway.ref)

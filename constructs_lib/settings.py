@@ -2,8 +2,9 @@
 
 Context keys: modelId, instanceType, scheme (int4_kivi | int4_saw | bf16), allowedCidr (optional:
 becomes the AllowedCidr parameter's default; the exported templates never have one), regions
-(comma separated: one stack per region), flavour (dlami | marketplace), maxModelLen, s4kvPipSpec,
-modelConfig (a config.json path to size a model that is neither built in nor in the local HF cache).
+(comma separated: one stack per region), flavour (dlami | marketplace), maxModelLen, hfTokenSecretArn
+(a Secrets Manager secret holding a Hugging Face token; required for a gated model), modelConfig (a
+config.json path to size a model that is neither built in nor in the local HF cache).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ FLAVOURS = ("dlami", "marketplace")
 DEFAULT_MODEL = "Qwen/Qwen2.5-7B-Instruct"
 DEFAULT_INSTANCE = "g6.xlarge"
 DEFAULT_MAX_MODEL_LEN = 32768
-# pip requirement for this project's plugin. Until s4kv is on PyPI, deploy with a pinned git URL or a
-# wheel URL instead (docs/deploy.md): -c s4kvPipSpec=git+https://HOST/ORG/s4kv@COMMIT
-DEFAULT_S4KV_PIP_SPEC = "s4kv==0.1.0"
-VLLM_PIP_SPEC = "vllm==0.26.0"
+# Hugging Face organisations whose models are gated (a licence to accept, then a token to download): a deploy
+# of one of their models without a token would crash-loop on the download.
+GATED_ORGANISATIONS = ("meta-llama",)
+SECRET_ARN = re.compile(r"^arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:\d{12}:secret:[A-Za-z0-9/_+=.@-]+$")
 MODEL_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?$")  # a Hugging Face id, as vllm serve takes it
 
 
@@ -35,13 +36,17 @@ class DeploySettings:
     regions: tuple[str, ...] = ()
     flavour: str = "dlami"
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
-    s4kv_pip_spec: str = DEFAULT_S4KV_PIP_SPEC
+    hf_token_secret_arn: str | None = None
     model_config: str | None = None
 
     @property
     def model_source(self) -> str:
         """What sizes the model (runtime/sizing/model_shapes.py): its config.json if given, else its id."""
         return self.model_config or self.model_id
+
+    @property
+    def gated(self) -> bool:
+        return self.model_id.split("/")[0] in GATED_ORGANISATIONS
 
     def __post_init__(self) -> None:
         if not MODEL_ID_PATTERN.match(self.model_id) or self.model_id.endswith(".json"):
@@ -58,6 +63,11 @@ class DeploySettings:
             network = ipaddress.ip_network(self.allowed_cidr, strict=True)  # ValueError names the problem
             if network.version != 4:
                 raise ValueError(f"allowedCidr must be an IPv4 CIDR, got {self.allowed_cidr!r}")
+        if self.hf_token_secret_arn is not None and not SECRET_ARN.match(self.hf_token_secret_arn):
+            raise ValueError(f"hfTokenSecretArn must be a Secrets Manager secret ARN, got {self.hf_token_secret_arn!r}")
+        if self.gated and not self.hf_token_secret_arn:
+            raise ValueError(f"{self.model_id} is gated on Hugging Face: accept its licence there, store a token "
+                             f"in Secrets Manager and pass -c hfTokenSecretArn=ARN")
         if self.max_model_len < 1:
             raise ValueError(f"maxModelLen must be positive, got {self.max_model_len}")
 
@@ -79,6 +89,6 @@ class DeploySettings:
             regions=regions,
             flavour=get("flavour", "dlami"),
             max_model_len=int(get("maxModelLen", DEFAULT_MAX_MODEL_LEN)),
-            s4kv_pip_spec=get("s4kvPipSpec", DEFAULT_S4KV_PIP_SPEC),
+            hf_token_secret_arn=get("hfTokenSecretArn"),
             model_config=get("modelConfig"),
         )

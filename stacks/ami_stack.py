@@ -6,13 +6,16 @@ from aws_cdk import CfnOutput, CfnParameter, Fn, Stack
 from constructs import Construct
 
 from constructs_lib.image_recipe import S4kvImagePipeline
-from constructs_lib.settings import VLLM_PIP_SPEC, DeploySettings
+from constructs_lib.runtime_artifacts import CUDA_LOCK, RuntimeArtifacts, build_wheel
+from constructs_lib.settings import DeploySettings
 from stacks.nag import acknowledge
 from stacks.serving_stack import DLAMI_SSM_PARAMETER
 
 
 class AmiBakeryStack(Stack):
-    def __init__(self, scope: Construct, id: str, *, settings: DeploySettings, **kwargs) -> None:
+    def __init__(self, scope: Construct, id: str, *, settings: DeploySettings, artifacts_from: str = "assets",
+                 **kwargs) -> None:
+        """``artifacts_from``: ``assets`` (``cdk deploy``) or ``parameters`` (the exported template)."""
         super().__init__(scope, id, **kwargs)
         self.template_options.description = (
             "S4 KV: EC2 Image Builder pipeline that bakes the server AMI (Deep Learning AMI + vLLM 0.26.0 + s4kv)")
@@ -20,9 +23,11 @@ class AmiBakeryStack(Stack):
                               default=DLAMI_SSM_PARAMETER, description="Public SSM parameter of the parent AMI")
         build_type = CfnParameter(self, "BuildInstanceType", type="String", default="g6.xlarge",
                                   description="Instance type of the build (a GPU type the DLAMI supports)")
+        artifacts = (RuntimeArtifacts.from_parameters(self) if artifacts_from == "parameters" else
+                     RuntimeArtifacts.from_assets(self, build_wheel(), CUDA_LOCK))
         images = S4kvImagePipeline(self, "Ami", parent_image=parent.value_as_string,
-                                   build_instance_type=build_type.value_as_string, vllm_pip_spec=VLLM_PIP_SPEC,
-                                   s4kv_pip_spec=settings.s4kv_pip_spec, regions=settings.regions)
+                                   build_instance_type=build_type.value_as_string, artifacts=artifacts,
+                                   regions=settings.regions)
         CfnOutput(self, "PipelineArn", value=images.pipeline.attr_arn)
         CfnOutput(self, "StartBuildCommand", value=Fn.join("", [
             "aws imagebuilder start-image-pipeline-execution --region ", self.region,

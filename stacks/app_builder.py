@@ -28,7 +28,7 @@ def new_app(context: dict | None = None, outdir: str | None = None) -> App:
 
 def add_serving_stacks(app: App, settings: DeploySettings) -> list[GpuServingStack]:
     """One env-agnostic stack, or one stack per region of ``settings.regions`` (each checked to offer
-    the instance type, from the offline offerings snapshot)."""
+    the instance type, from the offline offerings snapshot). The runtime artifacts are CDK assets."""
     if not settings.regions:
         return [GpuServingStack(app, STACK_NAME, settings=settings, synthesizer=synthesizer())]
     check_offered(settings.instance_type, settings.regions)

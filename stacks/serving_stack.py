@@ -2,36 +2,43 @@
 beyond wiring; the per-instance vLLM settings come from ``s4kv capacity`` via constructs_lib.serving_plan.
 
 Flavours: ``dlami`` installs the runtime at boot on the AWS Deep Learning AMI found through its public
-SSM parameter; ``marketplace`` boots a baked AMI (stacks/ami_stack.py) given as the ImageId parameter.
+SSM parameter, from the wheel and lock of constructs_lib.runtime_artifacts (CDK assets for ``cdk deploy``,
+template parameters for the export); ``marketplace`` boots a baked AMI (stacks/ami_stack.py) given as the
+ImageId parameter and installs nothing.
 """
 
 from __future__ import annotations
 
-from aws_cdk import CfnCondition, CfnMapping, CfnOutput, CfnParameter, Fn, Stack, Token, aws_logs as logs
+from aws_cdk import Aws, CfnCondition, CfnMapping, CfnOutput, CfnParameter, Fn, Stack, Token, aws_logs as logs
 from constructs import Construct
 
-from constructs_lib import serving_plan
+from constructs_lib import regions, serving_plan
 from constructs_lib.api_key import ApiKeySecret
 from constructs_lib.network import ServingNetwork
+from constructs_lib.operations import ServerOperations
+from constructs_lib.runtime_artifacts import CUDA_LOCK, WHEEL_NAME, RuntimeArtifacts, build_wheel
 from constructs_lib.server_instance import ServerInstance
 from constructs_lib.server_role import ServerRole
-from constructs_lib.settings import VLLM_PIP_SPEC, DeploySettings
+from constructs_lib.settings import DeploySettings
 from constructs_lib.user_data import SERVER_PORT, user_data
 from s4kv.runtime.schemes import SERVED_SCHEMES
 from stacks.nag import acknowledge
 
-# The x86_64 "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04)", by the naming rule of
-# the DLAMI guide's "Finding the ID of a DLAMI" page (docs/deploy.md says which spelling and why).
-DLAMI_SSM_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+# The x86_64 "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04)", by the naming rule of the DLAMI
+# guide's "Finding the ID of a DLAMI" page (docs/deploy.md says which spelling and why). Ubuntu 24.04: its
+# python3 is 3.12, the Python of the runtime lock (deploy/locks/runtime-cuda.txt).
+DLAMI_SSM_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
 CIDR_PATTERN = r"^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})/(\d{1,2})$"
 VLLM_ARGS_PATTERN = r"^[A-Za-z0-9 ._=,:/+-]*$"  # no quotes or shell metacharacters: written to a sourced file
-PIP_SPEC_PATTERN = r"^[A-Za-z0-9._=<>~!+:/@#%-]+$"
+BOOT_TIMEOUT_PATTERN = r"^PT([1-9][0-9]{0,2})M$"  # whole minutes, at most 999 (CloudFormation allows 12 h)
 SECRET_ARN_PATTERN = r"^(arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:\d{12}:secret:[A-Za-z0-9/_+=.@-]+)?$"
 SCHEMES = list(SERVED_SCHEMES)
 
 
 class GpuServingStack(Stack):
-    def __init__(self, scope: Construct, id: str, *, settings: DeploySettings, **kwargs) -> None:
+    def __init__(self, scope: Construct, id: str, *, settings: DeploySettings, artifacts_from: str = "assets",
+                 **kwargs) -> None:
+        """``artifacts_from``: ``assets`` (``cdk deploy``) or ``parameters`` (the exported template)."""
         super().__init__(scope, id, **kwargs)
         plans = serving_plan.plans_for(settings.model_source, settings.max_model_len)
         if settings.instance_type not in plans:
@@ -41,7 +48,7 @@ class GpuServingStack(Stack):
         self.template_options.description = (
             f"S4 KV: {settings.model_id} behind vLLM's OpenAI-compatible API (port {SERVER_PORT}) with an int4 KV "
             f"cache, on one GPU instance ({'baked AMI' if marketplace else 'AWS Deep Learning AMI'}).")
-        p = self._parameters(settings, list(plans), marketplace)
+        p = self._parameters(settings, plans, marketplace)
 
         is_bf16 = CfnCondition(self, "IsBf16", expression=Fn.condition_equals(p["Scheme"].value_as_string, "bf16"))
         zone_given = CfnCondition(self, "ZoneGiven", expression=Fn.condition_not(
@@ -52,30 +59,53 @@ class GpuServingStack(Stack):
         def plan_value(key: str) -> str:
             return plan_table.find_in_map(instance_type, key)
 
+        # A zone the user names, else the first zone ID of this region that offers the instance type (offline
+        # snapshot, constructs_lib/region_offerings.json); a region or type missing from it fails the deploy at
+        # the subnet, before any instance is launched, and the AvailabilityZone parameter overrides.
+        zones = CfnMapping(self, "ZoneIds", mapping=regions.zone_mapping(list(plans)))
         zone = Token.as_string(Fn.condition_if(zone_given.logical_id, p["AvailabilityZone"].value_as_string,
-                                               Fn.select(0, Fn.get_azs())))
-        network = ServingNetwork(self, "Network", availability_zone=zone,
+                                               Aws.NO_VALUE))
+        zone_id = Token.as_string(Fn.condition_if(zone_given.logical_id, Aws.NO_VALUE,
+                                                  zones.find_in_map(Aws.REGION, plan_value("ZoneKey"))))
+        network = ServingNetwork(self, "Network", availability_zone=zone, availability_zone_id=zone_id,
                                  allowed_cidr=p["AllowedCidr"].value_as_string, port=SERVER_PORT)
         api_key = ApiKeySecret(self, "ApiKey", supplied_secret_arn=p["ApiKeySecretArn"].value_as_string)
+        hf_token = p["HfTokenSecretArn"].value_as_string
+        has_hf_token = CfnCondition(self, "HasHfToken", expression=Fn.condition_not(Fn.condition_equals(hf_token, "")))
         log_group = logs.CfnLogGroup(self, "ServerLogs", retention_in_days=30)
-        role = ServerRole(self, "Server", log_group_arn=log_group.attr_arn, api_key_secret_arn=api_key.secret_arn)
-        vllm_args = Token.as_string(Fn.condition_if(is_bf16.logical_id, plan_value("Bf16Args"), plan_value("Int4Args")))
-        variables = {
-            "ModelId": settings.model_id, "Scheme": p["Scheme"].value_as_string, "VllmArgs": vllm_args,
-            "ExtraVllmArgs": p["ExtraVllmArgs"].value_as_string, "ApiKeySecretArn": api_key.secret_arn,
-            "LogGroupName": log_group.ref,
-        }
+        artifacts = None
         if not marketplace:
-            variables.update(S4kvPipSpec=p["S4kvPipSpec"].value_as_string, VllmPipSpec=VLLM_PIP_SPEC)
+            artifacts = (RuntimeArtifacts.from_parameters(self) if artifacts_from == "parameters" else
+                         RuntimeArtifacts.from_assets(self, build_wheel(), CUDA_LOCK))
+        role = ServerRole(self, "Server", log_group_arn=log_group.attr_arn,
+                          secret_arns=[api_key.secret_arn, Token.as_string(
+                              Fn.condition_if(has_hf_token.logical_id, hf_token, Aws.NO_VALUE))],
+                          artifact_statement=artifacts.read_statement() if artifacts else None)
+        vllm_args = Token.as_string(Fn.condition_if(is_bf16.logical_id, plan_value("Bf16Args"), plan_value("Int4Args")))
         image = p["ImageId"] if marketplace else p["DeepLearningAmi"]
+        signal_resource = ServerInstance.LOGICAL_ID  # the resource the boot script signals
+        variables = {
+            "ModelId": settings.model_id, "Scheme": p["Scheme"].value_as_string, "InstanceType": instance_type,
+            "VllmArgs": vllm_args, "ExtraVllmArgs": p["ExtraVllmArgs"].value_as_string,
+            "ApiKeySecretArn": api_key.secret_arn, "HfTokenSecretArn": hf_token, "LogGroupName": log_group.ref,
+            "BootTimeout": p["BootTimeout"].value_as_string, "SignalResource": signal_resource,
+        }
+        if artifacts:
+            variables.update(artifacts.user_data_variables(), WheelName=WHEEL_NAME)
         server = ServerInstance(
             self, "Gpu", image_id=image.value_as_string, instance_type=instance_type,
             subnet_id=network.subnet.ref, security_group_id=network.security_group.ref,
             instance_profile=role.instance_profile.ref, root_volume_gib=p["RootVolumeGiB"].value_as_number,
-            user_data=user_data(not marketplace, variables))
+            user_data=user_data(not marketplace, variables), boot_timeout=p["BootTimeout"].value_as_string)
         server.instance.add_resource_dependency(network.dependable)
+        operations = ServerOperations(self, "Operations")
+        operations.health_alarm.node.add_dependency(server.instance)
         self.server, self.network, self.role, self.api_key = server, network, role, api_key
         self._outputs(server, api_key, log_group, plan_value, vllm_args)
+        CfnOutput(self, "HealthAlarm", value=operations.health_alarm.alarm_name,
+                  description="CloudWatch alarm: /health failing for 3 minutes (attach an SNS action to be told)")
+        CfnOutput(self, "Dashboard", value=operations.dashboard.dashboard_name,
+                  description="CloudWatch dashboard: health, KV cache usage, requests, tokens/s, TTFT, ITL")
         self._acknowledge()
 
     def _acknowledge(self) -> None:
@@ -90,20 +120,26 @@ class GpuServingStack(Stack):
             "terminate it, which termination protection would block; nothing on it is persistent."))
         acknowledge(self.role.role, (
             "AwsSolutions::AwsSolutions-IAM5[Resource::*]",
-            "Only the five Session Manager actions (ssm:UpdateInstanceInformation, ssmmessages:*Channel) use "
-            "Resource *: they support no resource-level permissions. Logs and the secret are scoped to their ARNs."))
+            "Only the five Session Manager actions (ssm:UpdateInstanceInformation, ssmmessages:*Channel) and "
+            "cloudwatch:PutMetricData (held to the S4KV namespace by a condition) use Resource *: they support no "
+            "resource-level permissions. Logs, secrets, artifacts and the signal are scoped to their ARNs."))
         acknowledge(self.api_key.secret, (
             "AwsSolutions::AwsSolutions-SMG4",
             "A static bearer key shared with API clients: automatic rotation would break them without notice. "
             "Rotate by hand (put-secret-value, then restart s4kv.service, which re-reads it); docs/deploy.md."))
+        acknowledge(self.network.subnet, (
+            "CloudFormation-Validate::F3020",
+            "Exactly one is set: AvailabilityZone and AvailabilityZoneId are both Fn::If on ZoneGiven, each with "
+            "AWS::NoValue in the branch where the other one applies."))
         acknowledge(self, (
             "CloudFormation-Validate::W1001",
             "The generated secret is only referenced inside Fn::If on its own condition (GenerateApiKey)."), (
             "CloudFormation-Validate::W2509",
             "ApiKeySecretArn holds the ARN of a secret, not a secret: the key itself never enters the template."))
 
-    def _parameters(self, settings: DeploySettings, instance_types: list[str], marketplace: bool) -> dict:
+    def _parameters(self, settings: DeploySettings, plans: dict, marketplace: bool) -> dict:
         p = {}
+        instance_types = list(plans)
 
         def param(name: str, **kwargs) -> None:
             p[name] = CfnParameter(self, name, **kwargs)
@@ -120,10 +156,28 @@ class GpuServingStack(Stack):
         param("AllowedCidr", **cidr)
         param("ApiKeySecretArn", type="String", default="", allowed_pattern=SECRET_ARN_PATTERN,
               description="Existing Secrets Manager secret (plain-text value) holding the API key; empty: generate one")
+        hf = dict(type="String", allowed_pattern=SECRET_ARN_PATTERN)
+        if settings.gated:
+            hf.update(allowed_pattern=SECRET_ARN_PATTERN.replace(")?$", ")$"),
+                      description=f"Secrets Manager secret (plain text) holding a Hugging Face token allowed to "
+                                  f"download {settings.model_id} (a gated model): required")
+            if settings.hf_token_secret_arn:
+                hf["default"] = settings.hf_token_secret_arn
+        else:
+            hf.update(default=settings.hf_token_secret_arn or "",
+                      description="Secrets Manager secret (plain text) holding a Hugging Face token; empty: none")
+        param("HfTokenSecretArn", **hf)
+        default_boot = plans[settings.instance_type].boot_timeout() if settings.instance_type in plans else "PT60M"
+        param("BootTimeout", type="String", default=default_boot, allowed_pattern=BOOT_TIMEOUT_PATTERN,
+              constraint_description="PT<minutes>M, e.g. PT45M",
+              description="How long CloudFormation waits for the instance's ready signal (install, model download, "
+                          "load, one completion); default: the estimate for the default instance type (the "
+                          "ServingPlans mapping's BootTimeout has each type's)")
         param("RootVolumeGiB", type="Number", default=200, min_value=100, max_value=16384,
               description="Size of the encrypted gp3 root volume (GiB): runtime plus model weights")
         param("AvailabilityZone", type="String", default="",
-              description="Zone for the instance (empty: the region's first zone); pick one that offers the type")
+              description="Zone name for the instance (empty: the first zone of the region that offers the "
+                          "instance type, by zone ID, from an offline snapshot of EC2's offerings)")
         param("ExtraVllmArgs", type="String", default="", allowed_pattern=VLLM_ARGS_PATTERN,
               description="More vLLM flags, e.g. --enable-prefix-caching (letters, digits, space and ._=,:/+- only)")
         if marketplace:
@@ -132,9 +186,6 @@ class GpuServingStack(Stack):
         else:
             param("DeepLearningAmi", type="AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>",
                   default=DLAMI_SSM_PARAMETER, description="Public SSM parameter of the AWS Deep Learning AMI")
-            param("S4kvPipSpec", type="String", default=settings.s4kv_pip_spec, allowed_pattern=PIP_SPEC_PATTERN,
-                  description="pip requirement of the S4 KV plugin: "
-                              "s4kv==VERSION, git+https://...@COMMIT or a wheel URL")
         return p
 
     def _outputs(self, server, api_key, log_group, plan_value, vllm_args) -> None:
@@ -151,6 +202,8 @@ class GpuServingStack(Stack):
         CfnOutput(self, "SessionManagerCommand", value=Fn.join("", [
             "aws ssm start-session --region ", self.region, " --target ", server.instance.ref]))
         CfnOutput(self, "LogGroup", value=log_group.ref, description="Server and boot logs (CloudWatch Logs)")
+        CfnOutput(self, "BootLogCommand", description="Follow the boot and the server log",
+                  value=Fn.join("", ["aws logs tail --region ", self.region, " --follow ", log_group.ref]))
         CfnOutput(self, "VllmSettings", value=vllm_args, description="vLLM flags derived for this instance type")
         CfnOutput(self, "CapacityEstimate", value=plan_value("Capacity"),
                   description="Concurrent requests the KV cache holds (s4kv capacity)")

@@ -56,9 +56,10 @@ def build_export_app(context: dict | None = None, outdir: str | None = None):
     settings = replace(DeploySettings.from_context(app.node), allowed_cidr=None, regions=())
     for name, flavour in TEMPLATES.values():
         if flavour is None:
-            AmiBakeryStack(app, name, settings=settings, synthesizer=synthesizer())
+            AmiBakeryStack(app, name, settings=settings, artifacts_from="parameters", synthesizer=synthesizer())
         else:
-            GpuServingStack(app, name, settings=replace(settings, flavour=flavour), synthesizer=synthesizer())
+            GpuServingStack(app, name, settings=replace(settings, flavour=flavour), artifacts_from="parameters",
+                            synthesizer=synthesizer())
     add_nag(app)
     return app
 
@@ -76,7 +77,8 @@ def export(context: dict | None = None) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-c", "--context", action="append", default=[], metavar="KEY=VALUE",
-                        help="CDK context, as for cdk synth (modelId, instanceType, scheme, maxModelLen, s4kvPipSpec)")
+                        help="CDK context, as for cdk synth (modelId, instanceType, scheme, maxModelLen, "
+                             "hfTokenSecretArn, modelConfig)")
     parser.add_argument("--check", action="store_true", help="compare with deploy/ instead of writing")
     parser.add_argument("--out", type=Path, default=DEPLOY_DIR)
     args = parser.parse_args(argv)

@@ -1,4 +1,5 @@
-"""Writes constructs_lib/region_offerings.json: for each catalog instance type, the regions that offer it.
+"""Writes constructs_lib/region_offerings.json: for each catalog instance type, the regions that offer it, and
+per region the availability-zone IDs (use1-az1, ...; the same zone in every account, unlike zone names) that do.
 
 Source: the EC2 DescribeInstanceTypeOfferings snapshot that moto ships (requirements-test.txt pins it),
 so the CDK app can check a multi-region rollout offline. Run after bumping moto:
@@ -20,7 +21,8 @@ OUTPUT = REPO / "constructs_lib" / "region_offerings.json"
 def offerings_from_moto(instance_types: list[str]) -> dict:
     import moto.ec2
 
-    folder = Path(moto.ec2.__file__).parent / "resources" / "instance_type_offerings" / "region"
+    resources = Path(moto.ec2.__file__).parent / "resources" / "instance_type_offerings"
+    folder = resources / "region"
     regions: dict[str, list[str]] = {name: [] for name in instance_types}
     scanned = []
     for path in sorted(folder.glob("*.json.gz")):
@@ -30,8 +32,16 @@ def offerings_from_moto(instance_types: list[str]) -> dict:
         for name in instance_types:
             if name in offered:
                 regions[name].append(region)
+    zone_ids: dict[str, dict[str, list[str]]] = {name: {} for name in instance_types}
+    for path in sorted((resources / "availability-zone-id").glob("*.json.gz")):
+        region = path.name.removesuffix(".json.gz")
+        for row in json.loads(gzip.open(path).read()):
+            if row["InstanceType"] in zone_ids:
+                zone_ids[row["InstanceType"]].setdefault(region, []).append(row["Location"])
+    zone_ids = {name: {region: sorted(set(ids)) for region, ids in by_region.items()}
+                for name, by_region in zone_ids.items()}
     return {"source": f"moto {moto.__version__} EC2 instance type offerings", "regions_scanned": scanned,
-            "offered_in": regions}
+            "offered_in": regions, "zone_ids": zone_ids}
 
 
 def main() -> int:

@@ -11,6 +11,12 @@ VLLM_API_KEY="$(aws secretsmanager get-secret-value --region "$AWS_REGION" \
   --secret-id "$S4KV_API_KEY_SECRET_ARN" --query SecretString --output text)"
 export VLLM_API_KEY
 export HF_HOME="$S4KV_HOME/hf"
+# A gated model's Hugging Face token, the same way as the key: Secrets Manager -> environment only.
+if [ -n "${S4KV_HF_TOKEN_SECRET_ARN:-}" ]; then
+  HF_TOKEN="$(aws secretsmanager get-secret-value --region "$AWS_REGION" \
+    --secret-id "$S4KV_HF_TOKEN_SECRET_ARN" --query SecretString --output text)"
+  export HF_TOKEN
+fi
 
 # Word splitting of the settings is intended: they are separate vLLM flags. bf16 runs through the same server.
 # shellcheck disable=SC2086

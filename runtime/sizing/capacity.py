@@ -103,8 +103,9 @@ def plan(
     context: int | None = None,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
 ) -> Plan:
-    """The smallest tensor parallel size whose KV pool holds one request of ``context`` tokens in the
-    scheme's format; the other GPUs become data-parallel replicas. ``context`` defaults to the
+    """Tensor parallel 1 with one data-parallel replica per GPU when one GPU's KV pool holds a request of
+    ``context`` tokens in the scheme's format; else, of the tensor parallel sizes that hold one, the layout
+    with the most concurrent requests (the other GPUs become data-parallel replicas). ``context`` defaults to the
     model's max_position_embeddings; if even the largest tensor parallel size cannot hold it, the max
     model length shrinks to what fits (at least MIN_MODEL_LEN), else DoesNotFit."""
     if scheme not in SCHEME_FORMAT:
@@ -126,7 +127,19 @@ def plan(
     def tokens(tp: int) -> int:
         return _blocks_per_gpu(model, instance, tp, gpu_memory_utilization, fmt) * fmt.block_size
 
-    tp = next((size for size in sizes if tokens(size) >= target), sizes[-1])
+    fitting = [size for size in sizes if tokens(size) >= target]
+    if not fitting:
+        tp = sizes[-1]
+    elif fitting[0] == 1:
+        tp = 1  # the model fits one GPU: one replica per GPU, no tensor-parallel traffic
+    else:
+        # The model needs several GPUs: of the layouts that hold a request, the one with the most concurrent
+        # requests (larger tensor parallel sizes split the weights further, leaving more room for KV).
+        def concurrent(size: int) -> int:
+            blocks = _blocks_per_gpu(model, instance, size, gpu_memory_utilization, fmt)
+            return blocks // math.ceil(target / fmt.block_size) * (instance.gpu_count // size)
+
+        tp = max(fitting, key=lambda size: (concurrent(size), -size))
     max_model_len = min(target, tokens(tp) // 1024 * 1024)
     if max_model_len < min(MIN_MODEL_LEN, target):
         raise DoesNotFit(

@@ -85,10 +85,14 @@ def test_tensor_parallel_only_when_weights_do_not_fit_one_gpu():
     llama70 = model_shapes.load("meta-llama/Llama-3.1-70B-Instruct")
     small = capacity.plan(qwen, catalog.instance_type("g6e.12xlarge"), "int4_kivi", 8192)
     assert (small.tensor_parallel, small.data_parallel) == (1, 4)
-    big = capacity.plan(llama70, catalog.instance_type("p4d.24xlarge"), "int4_kivi", 8192)
-    assert (big.tensor_parallel, big.data_parallel) == (4, 2)
-    assert big.vllm_args() == ["--tensor-parallel-size", "4", "--data-parallel-size", "2",
-                               "--max-model-len", "8192", "--gpu-memory-utilization", "0.9"]
+    big = capacity.plan(llama70, catalog.instance_type("p4d.24xlarge"), "int4_kivi", 32768)
+    # TP 4 holds a 32k request, but TP 8 leaves each GPU 1/8 of the weights and far more KV: more requests.
+    assert (big.tensor_parallel, big.data_parallel) == (8, 1)
+    assert big.vllm_args() == ["--tensor-parallel-size", "8", "--data-parallel-size", "1",
+                               "--max-model-len", "32768", "--gpu-memory-utilization", "0.9"]
+    layouts = {tp: capacity._blocks_per_gpu(llama70, catalog.instance_type("p4d.24xlarge"), tp, 0.9,
+                                            capacity.KV_FORMATS["int4"]) // (32768 // 128) * (8 // tp) for tp in (4, 8)}
+    assert big.for_format("int4").concurrent_requests == layouts[8] > layouts[4] >= 1
     with pytest.raises(capacity.DoesNotFit):
         capacity.plan(llama70, catalog.instance_type("g6.xlarge"), "int4_kivi", 8192)
 

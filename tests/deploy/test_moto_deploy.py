@@ -21,8 +21,11 @@ moto_server = pytest.importorskip("moto.server")
 pytestmark = pytest.mark.filterwarnings("ignore:Tried to parse AWS")  # moto: no CFN secrets
 boto3 = pytest.importorskip("boto3")
 
-DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+from stacks.serving_stack import DLAMI_SSM_PARAMETER as DLAMI_PARAMETER  # noqa: E402
 CIDR = "203.0.113.7/32"
+# Where the exported template's instance would fetch the runtime (test_boot.py boots from real ones).
+ARTIFACTS = {"ArtifactBucket": "s4kv-artifacts", "WheelKey": "s4kv/0a1b/s4kv-0.1.0-py3-none-any.whl",
+             "WheelSha256": "0" * 64, "LockKey": "s4kv/2c3d/runtime-cuda.txt", "LockSha256": "1" * 64}
 KEY_VALUE = "moto-test-api-key-0f1e2d3c4b5a69788796a5b4"
 
 
@@ -110,9 +113,16 @@ def _undo_what_moto_cannot_delete(moto, stack: str, region: str) -> None:
             ec2.delete_route_table(RouteTableId=table["RouteTableId"])
 
 
-def _user_data(moto, instance_id: str, region: str = REGIONS[0]) -> str:
-    value = moto.client("ec2", region).describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
-    return base64.b64decode(value["UserData"]["Value"]).decode()
+def _launch_template_version(moto, stack: str, region: str = REGIONS[0]) -> dict:
+    """The latest version of the stack's launch template: what its instance boots (the user data lives there)."""
+    template_id = _resources(moto.client("cloudformation", region), stack)["AWS::EC2::LaunchTemplate"]
+    [version] = moto.client("ec2", region).describe_launch_template_versions(
+        LaunchTemplateId=template_id, Versions=["$Latest"])["LaunchTemplateVersions"]
+    return version
+
+
+def _user_data(moto, stack: str, region: str = REGIONS[0]) -> str:
+    return base64.b64decode(_launch_template_version(moto, stack, region)["LaunchTemplateData"]["UserData"]).decode()
 
 
 def _env_value(user_data: str, name: str) -> str:
@@ -124,7 +134,7 @@ def test_create_update_delete_of_the_exported_template(moto, api_key_arn):
     cfn, ec2 = moto.client("cloudformation"), moto.client("ec2")
     body = (REPO / "deploy" / "cfn-gpu-serving.yaml").read_text()
     cfn.create_stack(StackName="s4kv", TemplateBody=body, Capabilities=["CAPABILITY_IAM"], Parameters=_params(
-        AllowedCidr=CIDR, InstanceType="g6e.12xlarge", ApiKeySecretArn=api_key_arn))
+        AllowedCidr=CIDR, InstanceType="g6e.12xlarge", ApiKeySecretArn=api_key_arn, **ARTIFACTS))
     stack = cfn.describe_stacks(StackName="s4kv")["Stacks"][0]
     assert stack["StackStatus"] == "CREATE_COMPLETE"
     resources = _resources(cfn, "s4kv")
@@ -141,15 +151,16 @@ def test_create_update_delete_of_the_exported_template(moto, api_key_arn):
                                        "--gpu-memory-utilization 0.9")
     assert outputs["InstanceId"] == instance["InstanceId"] and outputs["Endpoint"].endswith(":8000/v1")
     assert f"--secret-id {api_key_arn}" in outputs["GetApiKeyCommand"]
-    user_data = _user_data(moto, instance["InstanceId"])
+    user_data = _user_data(moto, "s4kv")
     assert _env_value(user_data, "S4KV_API_KEY_SECRET_ARN") == api_key_arn
+    assert _env_value(user_data, "S4KV_WHEEL_KEY") == ARTIFACTS["WheelKey"]
     # The key's value is nowhere CloudFormation or EC2 can show it.
     template = cfn.get_template(StackName="s4kv")["TemplateBody"]
     for text in (user_data, str(template), str(stack)):
         assert KEY_VALUE not in text
 
     cfn.update_stack(StackName="s4kv", TemplateBody=body, Capabilities=["CAPABILITY_IAM"], Parameters=_params(
-        AllowedCidr="198.51.100.0/24", InstanceType="g6e.12xlarge", ApiKeySecretArn=api_key_arn))
+        AllowedCidr="198.51.100.0/24", InstanceType="g6e.12xlarge", ApiKeySecretArn=api_key_arn, **ARTIFACTS))
     assert cfn.describe_stacks(StackName="s4kv")["Stacks"][0]["StackStatus"] == "UPDATE_COMPLETE"
     group = ec2.describe_security_groups(GroupIds=[_resources(cfn, "s4kv")["AWS::EC2::SecurityGroup"]])
     assert group["SecurityGroups"][0]["IpPermissions"][0]["IpRanges"][0]["CidrIp"] == "198.51.100.0/24"
@@ -164,18 +175,44 @@ def test_create_update_delete_of_the_exported_template(moto, api_key_arn):
 def test_rendered_user_data_starts_the_server_with_each_instance_types_flags(moto, api_key_arn):
     cfn = moto.client("cloudformation")
     text = (REPO / "deploy" / "cfn-gpu-serving.yaml").read_text()
-    plans = yaml.safe_load(text)["Mappings"]["ServingPlans"]
+    mappings = yaml.safe_load(text)["Mappings"]
+    # The types a zone of the region offers (the ZoneIds mapping); any other one fails at the subnet, before launch.
+    offered = mappings["ZoneIds"][REGIONS[0]]
+    plans = {name: row for name, row in mappings["ServingPlans"].items() if row["ZoneKey"] in offered}
+    assert "g6.xlarge" in plans and "p5e.48xlarge" not in plans
     for index, (instance_type, row) in enumerate(plans.items()):
         scheme = ("int4_kivi", "int4_saw", "bf16")[index % 3]
         name = f"flags-{index}"
         cfn.create_stack(StackName=name, TemplateBody=text, Capabilities=["CAPABILITY_IAM"], Parameters=_params(
-            AllowedCidr=CIDR, InstanceType=instance_type, Scheme=scheme, ApiKeySecretArn=api_key_arn))
-        user_data = _user_data(moto, _resources(cfn, name)["AWS::EC2::Instance"])
+            AllowedCidr=CIDR, InstanceType=instance_type, Scheme=scheme, ApiKeySecretArn=api_key_arn, **ARTIFACTS))
+        user_data = _user_data(moto, name)
         assert _env_value(user_data, "S4KV_SCHEME") == scheme
         assert _env_value(user_data, "S4KV_MODEL") == "Qwen/Qwen2.5-7B-Instruct"
         assert _env_value(user_data, "S4KV_VLLM_ARGS") == row["Bf16Args" if scheme == "bf16" else "Int4Args"]
         assert 'exec "$S4KV_HOME/venv/bin/s4kv" serve "$S4KV_MODEL" --scheme "$S4KV_SCHEME"' in user_data
         _delete(moto, name)
+
+
+def test_update_of_the_scheme_changes_what_the_instance_runs(moto, api_key_arn):
+    """A new scheme is a new launch-template version; the instance names the latest version, which on AWS means
+    a replacement instance booting the new settings (moto keeps the old instance: it does not replace on update;
+    tests/deploy/test_templates.py checks the Version reference that makes AWS replace it)."""
+    cfn = moto.client("cloudformation")
+    body = (REPO / "deploy" / "cfn-gpu-serving.yaml").read_text()
+
+    def deploy(action, scheme: str, extra: str) -> str:
+        action(StackName="swap", TemplateBody=body, Capabilities=["CAPABILITY_IAM"], Parameters=_params(
+            AllowedCidr=CIDR, ApiKeySecretArn=api_key_arn, Scheme=scheme, ExtraVllmArgs=extra, **ARTIFACTS))
+        return _user_data(moto, "swap")
+
+    before = deploy(cfn.create_stack, "int4_kivi", "")
+    first = _launch_template_version(moto, "swap")["VersionNumber"]
+    after = deploy(cfn.update_stack, "int4_saw", "--enable-prefix-caching")
+    assert cfn.describe_stacks(StackName="swap")["Stacks"][0]["StackStatus"] == "UPDATE_COMPLETE"
+    assert _launch_template_version(moto, "swap")["VersionNumber"] == first + 1
+    assert (_env_value(before, "S4KV_SCHEME"), _env_value(after, "S4KV_SCHEME")) == ("int4_kivi", "int4_saw")
+    assert _env_value(after, "S4KV_EXTRA_ARGS") == "--enable-prefix-caching"
+    _delete(moto, "swap")
 
 
 def test_marketplace_template_boots_the_given_image(moto, api_key_arn):
@@ -187,7 +224,7 @@ def test_marketplace_template_boots_the_given_image(moto, api_key_arn):
     instance_id = _resources(cfn, "market")["AWS::EC2::Instance"]
     instance = moto.client("ec2").describe_instances(InstanceIds=[instance_id])["Reservations"][0]["Instances"][0]
     assert instance["ImageId"] == ami
-    user_data = _user_data(moto, instance_id)
+    user_data = _user_data(moto, "market")
     assert "pip install" not in user_data and "systemctl enable --now s4kv.service" in user_data
     _delete(moto, "market")
 
@@ -196,7 +233,7 @@ def test_stack_set_over_the_regions(moto):
     cfn = moto.client("cloudformation")
     body = (REPO / "deploy" / "cfn-gpu-serving.yaml").read_text()
     cfn.create_stack_set(StackSetName="s4kv-fleet", TemplateBody=body, Capabilities=["CAPABILITY_IAM"],
-                         Parameters=_params(AllowedCidr=CIDR))
+                         Parameters=_params(AllowedCidr=CIDR, **ARTIFACTS))
     cfn.create_stack_instances(StackSetName="s4kv-fleet", Accounts=[moto.account], Regions=list(REGIONS))
     instances = cfn.list_stack_instances(StackSetName="s4kv-fleet")["Summaries"]
     assert sorted(i["Region"] for i in instances) == sorted(REGIONS)

@@ -40,7 +40,23 @@ def test_context_is_read_with_defaults_and_region_list():
     ({"maxModelLen": "0"}, "positive"),
     ({"modelId": "configs/qwen2.5-7b-instruct.json"}, "modelConfig"),
     ({"modelId": "Qwen/Qwen 2.5'; rm -rf /"}, "Hugging Face model id"),
+    ({"modelId": "meta-llama/Llama-3.1-8B-Instruct"}, "gated on Hugging Face.*hfTokenSecretArn"),
+    ({"hfTokenSecretArn": "my-token"}, "Secrets Manager secret ARN"),
 ])
 def test_bad_context_fails_with_a_clear_message(context, message):
     with pytest.raises(ValueError, match=message):
         DeploySettings.from_context(App(context=context).node)
+
+
+def test_gated_model_with_a_token_makes_the_token_parameter_required():
+    from stacks.app_builder import new_app
+    from stacks.serving_stack import GpuServingStack
+
+    arn = "arn:aws:secretsmanager:us-east-1:123456789012:secret:hf-token-AbCdEf"
+    app = new_app()
+    settings = DeploySettings(model_id="meta-llama/Llama-3.1-8B-Instruct", instance_type="g6e.xlarge",
+                              hf_token_secret_arn=arn)
+    stack = GpuServingStack(app, "Gated", settings=settings, artifacts_from="parameters")
+    parameter = app.synth().get_stack_by_name(stack.stack_name).template["Parameters"]["HfTokenSecretArn"]
+    assert parameter["Default"] == arn and not parameter["AllowedPattern"].endswith(")?$"), "a token is required"
+

@@ -27,10 +27,17 @@ def _only(template: dict, resource_type: str) -> dict:
     return found[0]["Properties"]
 
 
+def _user_data_parts(template: dict) -> list:
+    return _only(template, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]["UserData"]["Fn::Base64"]["Fn::Join"][1]
+
+
 def _user_data_text(template: dict) -> str:
     """All literal text of the instance's user data (the Fn::Sub template and the static parts)."""
-    join = _only(template, "AWS::EC2::Instance")["UserData"]["Fn::Base64"]["Fn::Join"][1]
-    return "".join(part if isinstance(part, str) else part["Fn::Sub"][0] for part in join)
+    return "".join(part if isinstance(part, str) else part["Fn::Sub"][0] for part in _user_data_parts(template))
+
+
+def _user_data_variables(template: dict) -> dict:
+    return next(part["Fn::Sub"][1] for part in _user_data_parts(template) if isinstance(part, dict))
 
 
 def test_security_group_allows_only_port_8000_from_the_cidr_parameter(serving):
@@ -67,21 +74,29 @@ def test_imdsv2_required_and_root_volume_encrypted_gp3_sized_by_parameter(servin
 
 
 def test_instance_role_is_least_privilege(serving):
-    _, template = serving
+    name, template = serving
     roles = {k: r["Properties"] for k, r in template["Resources"].items() if r["Type"] == "AWS::IAM::Role"}
     server = next(p for p in roles.values() if "ec2.amazonaws.com" in json.dumps(p["AssumeRolePolicyDocument"]))
     assert "ManagedPolicyArns" not in server
     [policy] = server["Policies"]
     statements = {s["Sid"]: s for s in policy["PolicyDocument"]["Statement"]}
-    assert set(statements) == {"SessionManager", "OwnLogGroup", "OwnApiKey"}
+    base = {"SessionManager", "OwnLogGroup", "OwnSecrets", "SignalOwnStack", "PublishS4kvMetrics"}
+    assert set(statements) == (base if name == "S4kvServingMarketplace" else base | {"RuntimeArtifacts"})
     assert all(s["Effect"] == "Allow" for s in statements.values())
     session = statements["SessionManager"]
     assert session["Resource"] == "*" and all(a.startswith(("ssm:UpdateInstanceInformation", "ssmmessages:"))
                                                for a in session["Action"])
     assert statements["OwnLogGroup"]["Resource"] == {"Fn::GetAtt": ["ServerLogs", "Arn"]}
-    assert statements["OwnApiKey"]["Action"] == "secretsmanager:GetSecretValue"
+    assert statements["OwnSecrets"]["Action"] == "secretsmanager:GetSecretValue"
     secret_logical = next(k for k, r in template["Resources"].items() if r["Type"] == "AWS::SecretsManager::Secret")
-    assert statements["OwnApiKey"]["Resource"]["Fn::If"][1:] == [{"Ref": secret_logical}, {"Ref": "ApiKeySecretArn"}]
+    api_key, hf_token = statements["OwnSecrets"]["Resource"]
+    assert api_key["Fn::If"][1:] == [{"Ref": secret_logical}, {"Ref": "ApiKeySecretArn"}]
+    assert hf_token == {"Fn::If": ["HasHfToken", {"Ref": "HfTokenSecretArn"}, {"Ref": "AWS::NoValue"}]}
+    assert statements["PublishS4kvMetrics"]["Action"] == "cloudwatch:PutMetricData"
+    assert statements["PublishS4kvMetrics"]["Condition"] == {"StringEquals": {"cloudwatch:namespace": "S4KV"}}
+    assert statements["SignalOwnStack"] == {"Sid": "SignalOwnStack", "Effect": "Allow",
+                                            "Action": "cloudformation:SignalResource",
+                                            "Resource": {"Ref": "AWS::StackId"}}
     all_actions = json.dumps([s["Action"] for s in statements.values()])
     assert "*\"" not in all_actions.replace("ssmmessages:", ""), "no wildcard actions"
 
@@ -93,8 +108,9 @@ def test_api_key_is_generated_into_secrets_manager_and_never_in_template_or_user
     assert "SecretString" not in secret["Properties"]
     assert secret["Properties"]["GenerateSecretString"]["PasswordLength"] >= 32
     user_data = _user_data_text(template)
+    # Read only with `aws secretsmanager get-secret-value --query SecretString` (launcher, readiness check, metrics).
     assert "--api-key" not in user_data and "SecretString" not in user_data.replace(
-        "--query SecretString", ""), "the key must only ever be read by the server, at start"
+        "--query SecretString", "").replace('"--query", "SecretString"', ""), "the key is only ever read at run time"
     if "start-server" in user_data and "#!/bin/bash\n# Starts the S4 KV server" in user_data:
         # The only place the key exists on the instance: the launcher's environment, from Secrets Manager.
         assert 'VLLM_API_KEY="$(aws secretsmanager get-secret-value' in user_data
@@ -102,19 +118,57 @@ def test_api_key_is_generated_into_secrets_manager_and_never_in_template_or_user
     assert "get-secret-value" in json.dumps(outputs["GetApiKeyCommand"])
 
 
-def test_user_data_installs_pinned_runtime_and_starts_s4kv_serve(synthesis):
+def test_user_data_installs_the_locked_runtime_from_s3_and_starts_s4kv_serve(synthesis):
     dlami = _user_data_text(synthesis.template("S4kvServing"))
     marketplace = _user_data_text(synthesis.template("S4kvServingMarketplace"))
-    assert "pip install -q \"$VLLM_PIP_SPEC\" \"$S4KV_PIP_SPEC\"" in dlami
-    assert "S4KV_PIP_SPEC" not in marketplace, "the baked AMI installs nothing at boot"
+    assert "--require-hashes --no-deps" in dlami and 'sha256sum --check' in dlami
+    assert "pip install" not in marketplace and "S4KV_ARTIFACT_BUCKET" not in marketplace, "the AMI has it all"
     for text in (dlami, marketplace):
         assert "systemctl enable --now s4kv.service" in text
-        assert "amazon-cloudwatch-agent-ctl -a fetch-config" in text
-    dlami_sub = synthesis.template("S4kvServing")["Resources"]
-    variables = next(r for r in dlami_sub.values() if r["Type"] == "AWS::EC2::Instance")[
-        "Properties"]["UserData"]["Fn::Base64"]["Fn::Join"][1][0]["Fn::Sub"][1]
-    assert variables["VllmPipSpec"] == "vllm==0.26.0"
-    assert variables["ModelId"] == "Qwen/Qwen2.5-7B-Instruct"
+        # Logs go to CloudWatch before anything is installed; the signal trap is armed before both.
+        assert text.index("trap s4kv_on_exit EXIT") < text.index("-a fetch-config")
+        first_install_or_start = "--require-hashes" if "--require-hashes" in text else "systemctl enable"
+        assert text.index("-a fetch-config") < text.index(first_install_or_start)
+        assert text.index("/v1/completions") < text.index("s4kv_signal SUCCESS")
+    variables = _user_data_variables(synthesis.template("S4kvServing"))
+    assert variables["ModelId"] == "Qwen/Qwen2.5-7B-Instruct" and variables["SignalResource"] == "ServerInstance"
+    assert {k: variables[k] for k in ("ArtifactBucket", "WheelKey", "WheelSha256", "LockKey", "LockSha256")} == {
+        k: {"Ref": k} for k in ("ArtifactBucket", "WheelKey", "WheelSha256", "LockKey", "LockSha256")}
+    exported = synthesis.template("S4kvServing")["Parameters"]
+    artifact_parameters = ("ArtifactBucket", "WheelKey", "WheelSha256", "LockKey", "LockSha256")
+    assert all("Default" not in exported[k] for k in artifact_parameters)
+
+
+def test_cdk_app_ships_the_wheel_and_lock_as_assets_and_reads_exactly_them(synthesis):
+    from constructs_lib.runtime_artifacts import CUDA_LOCK, sha256
+
+    template = synthesis.template("S4kvServing-us-east-1")
+    variables = _user_data_variables(template)
+    assert variables["LockSha256"] == sha256(CUDA_LOCK) and len(variables["WheelSha256"]) == 64
+    assert variables["WheelName"] == "s4kv-0.1.0-py3-none-any.whl"
+    assert variables["WheelKey"].endswith(".whl") and variables["LockKey"].endswith(".txt")
+    role = next(r["Properties"] for r in template["Resources"].values() if r["Type"] == "AWS::IAM::Role"
+                and "ec2.amazonaws.com" in json.dumps(r["Properties"]["AssumeRolePolicyDocument"]))
+    [read] = [s for s in role["Policies"][0]["PolicyDocument"]["Statement"] if s["Sid"] == "RuntimeArtifacts"]
+    assert read["Action"] == "s3:GetObject"
+    keys = sorted(arn["Fn::Sub"][1]["Key"] for arn in read["Resource"])
+    assert keys == sorted([variables["WheelKey"], variables["LockKey"]]), "exactly the two objects, no wildcard"
+    assembly_assets = {f.name for f in synthesis.outdir.iterdir() if f.name.startswith("asset.")}
+    assert f"asset.{variables['WheelKey'].removesuffix('.whl')}.whl" in assembly_assets
+
+
+def test_settings_changes_replace_the_instance_and_it_waits_for_the_signal(serving):
+    _, template = serving
+    [(name, instance)] = [(k, r) for k, r in template["Resources"].items() if r["Type"] == "AWS::EC2::Instance"]
+    assert name == "ServerInstance"
+    launch = _only(template, "AWS::EC2::LaunchTemplate")
+    launch_id = next(k for k, r in template["Resources"].items() if r["Type"] == "AWS::EC2::LaunchTemplate")
+    assert instance["Properties"]["LaunchTemplate"]["Version"] == {"Fn::GetAtt": [launch_id, "LatestVersionNumber"]}
+    assert "UserData" not in instance["Properties"] and "UserData" in launch["LaunchTemplateData"]
+    assert instance["CreationPolicy"] == {"ResourceSignal": {"Count": 1, "Timeout": {"Ref": "BootTimeout"}}}
+    variables = _user_data_variables(template)
+    for setting in ("Scheme", "InstanceType", "ExtraVllmArgs", "HfTokenSecretArn"):
+        assert variables[setting] == {"Ref": setting}, f"{setting} must be in the user data, so a change replaces"
 
 
 def test_user_data_is_valid_bash(serving):
@@ -130,7 +184,7 @@ def test_dlami_from_public_ssm_parameter_and_marketplace_takes_image_id(synthesi
     dlami = synthesis.template("S4kvServing")["Parameters"]
     assert dlami["DeepLearningAmi"] == {
         "Type": "AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>",
-        "Default": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
+        "Default": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
         "Description": dlami["DeepLearningAmi"]["Description"]}
     market = synthesis.template("S4kvServingMarketplace")["Parameters"]
     assert market["ImageId"]["Type"] == "AWS::EC2::Image::Id" and "Default" not in market["ImageId"]
@@ -193,15 +247,38 @@ def test_rollout_refuses_a_region_that_does_not_offer_the_instance_type():
         check_offered("p5e.48xlarge", ["us-west-2", not_offering])
 
 
-def test_bakery_recipe_uses_the_same_install_script(synthesis):
+def test_bakery_recipe_uses_the_same_install_script_and_artifacts(synthesis):
     from constructs_lib.user_data import install_script
 
     template = synthesis.template("S4kvAmiBakery")
-    document = json.loads(_only(template, "AWS::ImageBuilder::Component")["Data"])
+    parts = _only(template, "AWS::ImageBuilder::Component")["Data"]["Fn::Join"][1]
+    assert [p for p in parts if isinstance(p, dict)] == [
+        {"Ref": k} for k in ("ArtifactBucket", "WheelKey", "WheelSha256", "LockKey", "LockSha256")]
+    document = json.loads("".join(p if isinstance(p, str) else "x" for p in parts))
     [install] = document["phases"][0]["steps"][0]["inputs"]["commands"]
-    assert install.endswith(install_script()) and "VLLM_PIP_SPEC='vllm==0.26.0'" in install
+    assert install.endswith(install_script())
+    role = _only(template, "AWS::IAM::Role")
+    [read] = role["Policies"][0]["PolicyDocument"]["Statement"]
+    assert read["Action"] == "s3:GetObject" and len(read["Resource"]) == 2
     infra = _only(template, "AWS::ImageBuilder::InfrastructureConfiguration")
     assert infra["InstanceMetadataOptions"]["HttpTokens"] == "required"
     recipe = _only(template, "AWS::ImageBuilder::ImageRecipe")
     assert recipe["ParentImage"] == {"Ref": "DeepLearningAmi"}
     assert recipe["BlockDeviceMappings"][0]["Ebs"]["Encrypted"] is True
+
+
+def test_subnet_zone_is_one_that_offers_the_instance_type_or_the_named_zone(serving):
+    from constructs_lib.regions import zone_ids
+
+    _, template = serving
+    subnet = _only(template, "AWS::EC2::Subnet")
+    assert subnet["AvailabilityZone"] == {"Fn::If": ["ZoneGiven", {"Ref": "AvailabilityZone"}, {"Ref": "AWS::NoValue"}]}
+    assert subnet["AvailabilityZoneId"] == {"Fn::If": ["ZoneGiven", {"Ref": "AWS::NoValue"}, {"Fn::FindInMap": [
+        "ZoneIds", {"Ref": "AWS::Region"}, {"Fn::FindInMap": ["ServingPlans", {"Ref": "InstanceType"}, "ZoneKey"]}]}]}
+    table, plans = template["Mappings"]["ZoneIds"], template["Mappings"]["ServingPlans"]
+    for instance_type in template["Parameters"]["InstanceType"]["AllowedValues"]:
+        key, offered = plans[instance_type]["ZoneKey"], zone_ids(instance_type)
+        for region, ids in offered.items():
+            assert table[region][key] == ids[0]
+        assert all(key not in row for region, row in table.items() if region not in offered)
+    assert table["us-east-1"]["g6xlarge"] in zone_ids("g6.xlarge")["us-east-1"]
