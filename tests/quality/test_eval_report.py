@@ -2,7 +2,7 @@
 
 import random
 
-from s4kv.runtime import eval_report
+from s4kv.runtime.eval import report as eval_report
 
 
 def metrics(top1: float, ppl_delta: float, kl: float, exact: float) -> dict:
