@@ -17,6 +17,7 @@ HELDOUT = BUNDLE_ROOT / "data" / "eval" / "heldout.jsonl"  # the held-out docume
 
 QWEN2 = "tiny-qwen2"
 LLAMA3 = "tiny-llama3"
+LLAMA3_HEAD64 = "tiny-llama3-d64"  # head_dim 64: 4 query / 2 KV heads of 64 channels
 REFERENCE_MODELS = ("s4kv-ref-qwen2", "s4kv-ref-llama3")  # trained with outlier key channels (docs/quality.md)
 
 # (question, answer) pairs the tiny models memorize; the demo and the tests ask them.

@@ -20,9 +20,9 @@ SCHEME_OPTIONS: dict[SchemeName, frozenset[str]] = {
     KIVI: frozenset({"scheme"}),
     SAW: frozenset({"scheme", "hadamard_block", "rotate_values"}),
 }
-SAW_HADAMARD_BLOCKS = (32, 64, 128)  # block sizes of int4_saw's block-diagonal Hadamard rotation
-DEFAULT_HADAMARD_BLOCK = 128
-HEAD_DIM = 128  # both schemes are built for this head_dim; kernels/layout.py lays out its page
+SAW_HADAMARD_BLOCKS = (32, 64, 128)  # block sizes of int4_saw's block-diagonal Hadamard rotation (default: the head)
+# The head sizes both schemes are built for; kernels/layout.py lays out their pages and says why these.
+SUPPORTED_HEAD_DIMS = (64, 128)
 
 # --- how vLLM 0.26.0 is told to run them ---------------------------------------------------------------------
 CONFIG_KEY = "s4kv"  # additional_config key
@@ -43,7 +43,7 @@ class KvFormat:
 
     def bytes_per_head_token(self, head_dim: int) -> int:
         # int4: head_dim/2 bytes of codes for K and for V, plus an fp16 (scale, min) pair for each (S4 KV and vLLM's
-        # int4_per_token_head alike: 136 at head_dim 128).
+        # int4_per_token_head alike: 136 at head_dim 128, 72 at 64).
         return {"bf16": 4 * head_dim, "fp8": 2 * head_dim, "int4": head_dim + 8}[self.name]
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from s4kv.kernels.layout import BYTES_PER_TOKEN, HEAD_DIM
-
+from s4kv.kernels.layout import bytes_per_token
 from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED
 from s4kv.runtime.plugin.config import (EngineFacts, ModelFacts, as_sentence, engine_rejections, model_rejections,
                                         read_model_config)
-from .serve import add_scheme_arguments, scheme_config
+from s4kv.runtime.schemes import KV_FORMATS
 
-BF16_BYTES_PER_TOKEN = 2 * 2 * HEAD_DIM  # K and V, 2 bytes per channel, per KV head
+from .serve import add_scheme_arguments, scheme_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,9 +35,11 @@ def verdict(model: str, args: argparse.Namespace) -> tuple[bool, str]:
     if reasons:
         return False, f"{name}: not supported with {config.scheme.name}. " + " ".join(reasons)
     family = facts.family or "outside the validated families (allowed by allow_unsupported_model)"
+    int4_bytes = bytes_per_token(facts.head_dim)
+    density = KV_FORMATS["bf16"].bytes_per_head_token(facts.head_dim) / int4_bytes
     return True, (
         f"{name}: supported with {config.scheme.name} ({family}, head_dim {facts.head_dim}); KV cache "
-        f"{BYTES_PER_TOKEN} B per token and KV head, {BF16_BYTES_PER_TOKEN / BYTES_PER_TOKEN:.2f}x denser than bf16."
+        f"{int4_bytes} B per token and KV head, {density:.2f}x denser than bf16."
     )
 
 

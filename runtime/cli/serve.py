@@ -22,8 +22,8 @@ import sys
 from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_UNSUPPORTED
 from s4kv.runtime.plugin.api_key import MIDDLEWARE, configured_api_key
 from s4kv.runtime.plugin.config import ModelFacts, S4KVConfig, as_sentence, model_rejections, read_model_config
-from s4kv.runtime.schemes import (ATTENTION_BACKEND, CONFIG_KEY, DEFAULT_HADAMARD_BLOCK, DEFAULT_SCHEME, KV_CACHE_DTYPE,
-                                  SAW_HADAMARD_BLOCKS, SCHEMES, SERVED_SCHEMES)
+from s4kv.runtime.schemes import (ATTENTION_BACKEND, CONFIG_KEY, DEFAULT_SCHEME, KV_CACHE_DTYPE, SAW_HADAMARD_BLOCKS,
+                                  SCHEMES, SERVED_SCHEMES)
 
 ACCEPTS_EXTRA_ARGS = True  # everything s4kv does not know goes to `vllm serve`
 BF16 = "bf16"  # vLLM's own KV cache, no S4 KV: the baseline served the same way
@@ -40,8 +40,7 @@ def add_scheme_arguments(parser: argparse.ArgumentParser, required: bool = True,
     parser.add_argument("--scheme", choices=schemes, required=required,
                         default=None if required else DEFAULT_SCHEME, help="S4 KV scheme")
     parser.add_argument("--hadamard-block", type=int, choices=SAW_HADAMARD_BLOCKS,
-                        help="int4_saw: size of the block-diagonal Hadamard rotation "
-                             f"(default {DEFAULT_HADAMARD_BLOCK})")
+                        help="int4_saw: size of the block-diagonal Hadamard rotation (default: the whole head)")
     parser.add_argument("--rotate-values", action="store_true", help="int4_saw: rotate values too")
     parser.add_argument("--allow-unsupported-model", action="store_true",
                         help="run a model outside the Qwen2/Qwen2.5/Llama-3 families")

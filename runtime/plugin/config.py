@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from s4kv.kernels.layout import HEAD_DIM, KIVI_BLOCK_SIZE
+from s4kv.kernels.layout import KIVI_BLOCK_SIZE
 from s4kv.kernels.scheme import Int4Scheme
-from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE
+from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SUPPORTED_HEAD_DIMS
 
 from .version import VLLM_VERSION, vllm_version_mismatch
 
@@ -56,7 +56,9 @@ class S4KVConfig:
         """The ``additional_config["s4kv"]`` dict that parses back to this config."""
         options: dict[str, Any] = {"scheme": self.scheme.name}
         if not self.scheme.is_kivi:
-            options.update(hadamard_block=self.scheme.hadamard_block, rotate_values=self.scheme.rotate_values)
+            if self.scheme.hadamard_block is not None:
+                options["hadamard_block"] = self.scheme.hadamard_block
+            options["rotate_values"] = self.scheme.rotate_values
         if self.allow_unsupported_model:
             options[ALLOW_UNSUPPORTED_MODEL] = True
         return options
@@ -271,8 +273,16 @@ def engine_rejections(config: S4KVConfig, engine: EngineFacts) -> list[str]:
 def model_rejections(config: S4KVConfig, model: ModelFacts) -> list[str]:
     scheme = config.scheme.name
     reasons = []
-    if model.head_dim != HEAD_DIM:
-        reasons.append(f"{model.name} has head_dim {model.head_dim}; {scheme} supports head_dim {HEAD_DIM} only.")
+    if model.head_dim not in SUPPORTED_HEAD_DIMS:
+        reasons.append(
+            f"{model.name} has head_dim {model.head_dim}; {scheme} supports head_dim "
+            f"{' and '.join(map(str, SUPPORTED_HEAD_DIMS))} only (its int4 page and kernels are built for those)."
+        )
+    else:
+        try:
+            config.scheme.hadamard_block_for(model.head_dim)
+        except ValueError as err:
+            reasons.append(f"{model.name}: {err}.")
     if model.uses_mla:
         reasons.append(f"{model.name} uses multi-head latent attention (MLA), which {scheme} does not support.")
     if model.sliding_window:

@@ -6,8 +6,8 @@ max model length, the memory utilisation, and how many requests of a given conte
 KV cache in bf16, fp8 and int4. The CDK app renders the same plan into its user data and outputs.
 
 KV bytes per token, per layer and KV head: bf16 4*head_dim, fp8 2*head_dim, int4 head_dim + 8
-(both S4 KV schemes and vLLM's int4_per_token_head: 136 at head_dim 128). vLLM pages hold 16 tokens
-for bf16/fp8 and 128 for int4, so a request occupies whole pages. No torch or vLLM import.
+(both S4 KV schemes and vLLM's int4_per_token_head: 136 at head_dim 128, 72 at 64; kernels/layout.py). vLLM
+pages hold 16 tokens for bf16/fp8 and 128 for int4, so a request occupies whole pages. No torch or vLLM import.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from s4kv.runtime.schemes import DEFAULT_SCHEME, HEAD_DIM, KV_FORMATS, SCHEME_FORMAT, KvFormat, ServedScheme
+from s4kv.runtime.schemes import (DEFAULT_SCHEME, KV_FORMATS, SCHEME_FORMAT, SUPPORTED_HEAD_DIMS, KvFormat,
+                                  ServedScheme)
 from s4kv.runtime.sizing import catalog, model_shapes
 
 GPU_MEMORY_UTILIZATION = 0.90
@@ -110,8 +111,9 @@ def plan(
     model length shrinks to what fits (at least MIN_MODEL_LEN), else DoesNotFit."""
     if scheme not in SCHEME_FORMAT:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEME_FORMAT)}")
-    if SCHEME_FORMAT[scheme] == "int4" and model.head_dim != HEAD_DIM:
-        raise DoesNotFit(f"{model.name}: S4 KV schemes need head_dim {HEAD_DIM}, the model has {model.head_dim}")
+    if SCHEME_FORMAT[scheme] == "int4" and model.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise DoesNotFit(f"{model.name}: S4 KV schemes need head_dim {' or '.join(map(str, SUPPORTED_HEAD_DIMS))}, "
+                         f"the model has {model.head_dim}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if context is not None and not 0 < context <= model.max_position_embeddings:

@@ -24,9 +24,13 @@ LLAMA31_8B = {
 
 # name -> (config.json, words the rejection sentence must contain)
 REJECTED_MODELS = {
-    "head_dim_64": (
-        dict(LLAMA31_8B, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64),
-        ["head_dim 64", "head_dim 128 only"],
+    "head_dim_96": (
+        dict(LLAMA31_8B, hidden_size=3072, num_attention_heads=32, num_key_value_heads=8, head_dim=96),
+        ["head_dim 96", "head_dim 64 and 128 only"],
+    ),
+    "head_dim_256": (
+        dict(LLAMA31_8B, hidden_size=4096, num_attention_heads=16, num_key_value_heads=4, head_dim=256),
+        ["head_dim 256", "head_dim 64 and 128 only"],
     ),
     "mla": (
         {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
@@ -63,10 +67,10 @@ REJECTED_MODELS = {
         dict(QWEN25_7B, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128),
         ["outside the Qwen2, Qwen2.5 and Llama-3 families"],
     ),
-    # vLLM's Qwen2 computes head_dim = hidden_size / heads (1792 / 28 = 64) and ignores the head_dim field.
+    # vLLM's Qwen2 computes head_dim = hidden_size / heads (2688 / 28 = 96) and ignores the head_dim field.
     "qwen2_head_dim_field_ignored": (
-        dict(QWEN25_7B, hidden_size=1792, head_dim=128),
-        ["head_dim 64", "head_dim 128 only"],
+        dict(QWEN25_7B, hidden_size=2688, head_dim=128),
+        ["head_dim 96", "head_dim 64 and 128 only"],
     ),
     "logit_softcapping": (
         dict(LLAMA31_8B, attn_logit_softcapping=50.0),
@@ -98,7 +102,11 @@ MALFORMED_CONFIGS = {
                           ["vocab_size", "must be an integer, got a string"]),
     "text_config_list": (json.dumps(dict(QWEN25_7B, text_config=[])), ["text_config", "must be an object"]),
 }
-ACCEPTED_MODELS = {"qwen2.5-7b": QWEN25_7B, "llama-3.1-8b": LLAMA31_8B}
+# Llama-3.2-1B: head_dim 64 (2048 / 32), 16 layers
+LLAMA32_1B = dict(LLAMA31_8B, hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=64, num_hidden_layers=16, tie_word_embeddings=True,
+                  rope_scaling=dict(LLAMA31_8B["rope_scaling"], factor=32.0))
+ACCEPTED_MODELS = {"qwen2.5-7b": QWEN25_7B, "llama-3.1-8b": LLAMA31_8B, "llama-3.2-1b": LLAMA32_1B}
 
 
 def write_model_dir(root: Path, name: str, config: dict | str) -> Path:

@@ -275,12 +275,12 @@ def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, blo
     from s4kv.kernels.store import store_kv
 
     scheme = Int4Scheme.parse(options)
-    cache = torch.empty(cache_shape(block_table.numel(), problem.num_kv_heads, S4KV_BLOCK_SIZE), dtype=torch.uint8,
-                        device=problem.device)
+    shape = cache_shape(block_table.numel(), problem.num_kv_heads, S4KV_BLOCK_SIZE, HEAD_DIM)
+    cache = torch.empty(shape, dtype=torch.uint8, device=problem.device)
     for key, value, slots in problem.chunks(block_table, S4KV_BLOCK_SIZE):
         store_kv(key, value, cache, slots, scheme)
     per_sm = {} if programs_per_sm is None else {"programs_per_sm": programs_per_sm}  # none: as our backend's
-    workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, problem.device, **per_sm)
+    workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, HEAD_DIM, problem.device, **per_sm)
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
     launch = None if code_path is None else dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
     return lambda: paged_attention(problem.query, cache, block_table, seq_lens, cu_q, 1, HEAD_DIM ** -0.5, scheme,
@@ -348,7 +348,7 @@ def bench_store(generator: torch.Generator) -> list[Timing]:
                        device="cuda")
     int4_k, int4_v = int4.split(68, dim=-1)
     int4_k_scale, int4_v_scale = int4.view(torch.float32)[..., 16], int4.view(torch.float32)[..., 33]
-    ours = torch.zeros(cache_shape(total_tokens // S4KV_BLOCK_SIZE, NUM_KV_HEADS, S4KV_BLOCK_SIZE),
+    ours = torch.zeros(cache_shape(total_tokens // S4KV_BLOCK_SIZE, NUM_KV_HEADS, S4KV_BLOCK_SIZE, HEAD_DIM),
                        dtype=torch.uint8, device="cuda")
     timings = []
     for tokens, contiguous in ((256, False), (8192, True)):

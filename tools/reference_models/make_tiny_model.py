@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Build the tiny offline models (models/tiny-qwen2, models/tiny-llama3): a BPE tokenizer (``tokenizers``), a
-2-layer Llama-3-shaped transformer with head_dim 128, trained for a few hundred steps on CPU to memorize the short
-question/answer pairs of ``s4kv.runtime.bundled_models.FACTS``.
+"""Build the tiny offline models (models/tiny-qwen2 and models/tiny-llama3 at head_dim 128, models/tiny-llama3-d64 at
+head_dim 64): a BPE tokenizer (``tokenizers``), a 2-layer Llama-3-shaped transformer, trained for a few hundred steps
+on CPU to memorize the short question/answer pairs of ``s4kv.runtime.bundled_models.FACTS``.
 
 Why trained and not random: a memorizing model answers with large logit margins, so greedy output is a meaningful
 yardstick (int4 KV must reproduce the bf16 answer), and the offline demo prints a readable answer.
 The same weights are written as a Llama-3-shaped folder (rope_theta 5e5, the Llama-3 hallmark S4 KV's family check
-uses) and as a Qwen2-shaped folder (zero q/k/v biases, so both compute the same function).
+uses) and as a Qwen2-shaped folder (zero q/k/v biases, so both compute the same function). The head_dim-64 model
+(4 query / 2 KV heads of 64 channels, the head size of Llama-3.2-1B, Qwen2.5-0.5B and SmolLM2) is written as a
+Llama-3-shaped folder only.
 
-usage: python tools/reference_models/make_tiny_model.py [OUT_DIR] [--steps N]
+usage: python tools/reference_models/make_tiny_model.py [OUT_DIR] [--steps N] [--head-dim 128|64]
 (default OUT_DIR: models/ of this repository)
 Takes about 10 minutes on 2 CPU cores; the result is committed, so the demo and the tests never train.
 """
@@ -22,7 +24,7 @@ import random
 import sys
 from dataclasses import dataclass
 
-from s4kv.runtime.bundled_models import EOS, FACTS, LLAMA3, QWEN2, chat_text
+from s4kv.runtime.bundled_models import EOS, FACTS, LLAMA3, LLAMA3_HEAD64, QWEN2, chat_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
@@ -32,13 +34,25 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% 
 @dataclass(frozen=True)
 class TinyShape:
     hidden_size: int = 256
-    num_attention_heads: int = 2  # head_dim 128 = hidden_size / heads, the only head size S4 KV supports
+    num_attention_heads: int = 2  # head_dim = hidden_size / heads: 128 here, 64 in HEAD64_SHAPE
     num_key_value_heads: int = 1
     intermediate_size: int = 256
     num_hidden_layers: int = 2
     rope_theta: float = 500000.0
     max_position_embeddings: int = 1024
     vocab_size: int = 384
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+HEAD64_SHAPE = TinyShape(num_attention_heads=4, num_key_value_heads=2)
+# head_dim -> (shape, the folders written: (name, architecture, model_type))
+FLAVOURS = {
+    128: (TinyShape(), ((LLAMA3, "LlamaForCausalLM", "llama"), (QWEN2, "Qwen2ForCausalLM", "qwen2"))),
+    64: (HEAD64_SHAPE, ((LLAMA3_HEAD64, "LlamaForCausalLM", "llama"),)),
+}
 
 
 def build_tokenizer(shape: TinyShape):
@@ -106,7 +120,7 @@ def _hf_fields(shape: TinyShape, tok) -> dict:
         num_hidden_layers=shape.num_hidden_layers,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.hidden_size // shape.num_attention_heads,
+        head_dim=shape.head_dim,
         max_position_embeddings=shape.max_position_embeddings,
         rope_theta=shape.rope_theta,
         rms_norm_eps=1e-6,
@@ -116,7 +130,7 @@ def _hf_fields(shape: TinyShape, tok) -> dict:
     )
 
 
-def write_model_dirs(model, tok, shape: TinyShape, out_dir: str) -> list[str]:
+def write_model_dirs(model, tok, shape: TinyShape, out_dir: str, folders) -> list[str]:
     """Write the Llama-3-shaped and the Qwen2-shaped folder (bf16 safetensors, tokenizer, chat template)."""
     import torch
     from safetensors.torch import save_file
@@ -125,14 +139,14 @@ def write_model_dirs(model, tok, shape: TinyShape, out_dir: str) -> list[str]:
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != tied}
     fields = _hf_fields(shape, tok)
     written = []
-    for name, architecture, model_type in ((LLAMA3, "LlamaForCausalLM", "llama"), (QWEN2, "Qwen2ForCausalLM", "qwen2")):
+    for name, architecture, model_type in folders:
         path = os.path.join(out_dir, name)
         os.makedirs(path, exist_ok=True)
         weights = dict(state)
         config = dict(fields, architectures=[architecture], model_type=model_type, torch_dtype="bfloat16",
                       hidden_act="silu", initializer_range=0.02, use_cache=True)
         if model_type == "qwen2":
-            config.pop("head_dim")  # vLLM's Qwen2 derives it: hidden_size / num_attention_heads = 128
+            config.pop("head_dim")  # vLLM's Qwen2 derives it: hidden_size / num_attention_heads
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=shape.num_hidden_layers)
             for layer in range(shape.num_hidden_layers):
                 kv_width = shape.num_key_value_heads * fields["head_dim"]
@@ -160,20 +174,22 @@ def _write_json(path: str, data: dict) -> None:
         handle.write("\n")
 
 
-def build(out_dir: str, steps: int = 400, log=print) -> list[str]:
-    """Tokenizer + training + both model folders under out_dir; returns their paths."""
-    shape = TinyShape()
+def build(out_dir: str, steps: int = 400, log=print, head_dim: int = 128) -> list[str]:
+    """Tokenizer + training + the model folders of this head_dim (FLAVOURS) under out_dir; returns their paths."""
+    shape, folders = FLAVOURS[head_dim]
     tok = build_tokenizer(shape)
     model = train(shape, tok, steps=steps, log=log)
-    return write_model_dirs(model, tok, shape, out_dir)
+    return write_model_dirs(model, tok, shape, out_dir, folders)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", default=os.path.join(REPO, "models"))
     parser.add_argument("--steps", type=int, default=500, help="training steps (batch 8 x 256 tokens)")
+    parser.add_argument("--head-dim", type=int, choices=(128, 64), default=128,
+                        help="128: tiny-llama3 and tiny-qwen2; 64: tiny-llama3-d64")
     args = parser.parse_args()
-    for path in build(args.out_dir, steps=args.steps):
+    for path in build(args.out_dir, steps=args.steps, head_dim=args.head_dim):
         print(path)
     return 0
 
