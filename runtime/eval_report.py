@@ -53,6 +53,8 @@ def markdown_table(result: dict) -> str:
             cells = [_cell(metrics.get(key), fmt) for key, _, fmt in COLUMNS]
             lines.append(f"| {label(name, result['engine'])} | " + " | ".join(cells) + " |")
         lines.append("")
+    for name, reason in result.get("unsupported", {}).items():
+        lines.append(f"{label(name, result['engine'])}: not run ({reason})")
     for name, error in result.get("errors", {}).items():
         lines.append(f"{label(name, result['engine'])}: failed ({error.strip().splitlines()[-1]})")
     if result.get("pending"):  # a run cut short: evaluate() saves after every format
