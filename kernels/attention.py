@@ -2,7 +2,7 @@
 
 One kernel serves decode, prefill and chunked prefill with a cached prefix (mixed batches as vLLM schedules
 them). A program owns BLOCK_Q query tokens x all GROUP query heads of one KV head, so every K/V tile is loaded
-and dequantized once per KV head (GQA shared). Rows of the [BLOCK_M, 128] query tile are (token, head) pairs.
+and dequantized once per KV head (GQA shared). Rows of the [BLOCK_M, head_dim] query tile are (token, head) pairs.
 
 Scores are taken in the space the keys are stored in: int4_saw keys (and staged int4_kivi blocks: open, or
 closed over several batches) are rotated, so the program rotates Q once (the rotation is orthonormal, scores are
@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .layout import HEAD_DIM, KIVI_BLOCK_SIZE, PageLayout, tile_tokens
-from .scheme import KIVI_STAGING_BLOCK, Int4Scheme
+from .layout import KIVI_BLOCK_SIZE, PageLayout, check_head_dim, tile_tokens
+from .scheme import Int4Scheme
 from .triton_common import (kivi_block_is_per_channel, load_channel_params, load_key_token_params, load_token_params,
                             rotate_halves)
 
@@ -148,17 +148,17 @@ def _unpack_ptx(packed, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr):
 @triton.jit
 def _load_codes(cache_u8_ptr, page, region, offset, CHANNEL_MAJOR: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr,
-                CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr):
-    """A tile's codes as two [TILE, 64] halves (channels j and j + 64), exact, in the query dtype.
+                CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr):
+    """A tile's codes as two [TILE, HALF] halves (channels j and j + HALF), exact, in the query dtype.
 
     Unmasked: slots past a sequence's end hold stale bytes, but every code is a finite 0..15 and the caller
     zeroes what such slots contribute (scores masked to -inf, value params loaded as 0). A mask that varies
     along the contiguous dimension would also cost the vector loads of the channel-major V region."""
-    ch = tl.arange(0, 64)
+    ch = tl.arange(0, HALF)
     if CHANNEL_MAJOR:  # V: byte j of token t at j * BLOCK_SIZE + t (layout.py); the transpose is a layout change
         packed = tl.trans(tl.load(cache_u8_ptr + page + region + ch[:, None] * BLOCK_SIZE + offset[None, :]))
     else:
-        packed = tl.load(cache_u8_ptr + page + region + offset[:, None] * 64 + ch[None, :])
+        packed = tl.load(cache_u8_ptr + page + region + offset[:, None] * HALF + ch[None, :])
     if PTX_UNPACK:
         lo, hi = _unpack_ptx(packed, SUBNORMAL, IS_BF16)
     else:
@@ -177,9 +177,10 @@ def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, of
 
 
 @triton.jit
-def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE: tl.constexpr):
+def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE: tl.constexpr,
+                        HALF: tl.constexpr):
     """Q K^T for a KIVI block closed per channel (unrotated keys, per-channel params): (Q * scale) . codes + Q . min."""
-    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params)
+    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF)
     dt = q_lo.dtype
     q32_lo = q_lo.to(tl.float32)
     q32_hi = q_hi.to(tl.float32)
@@ -203,7 +204,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_KIVI: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, ROTATE_V: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
-    IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
+    IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -215,24 +216,24 @@ def _paged_attention_kernel(
     if local_block * BLOCK_Q < q_len:
         seq_len = tl.load(seq_lens_ptr + seq)
         context = seq_len - q_len
-        layout_v_codes: tl.constexpr = 64 * BLOCK_SIZE
-        layout_v_params: tl.constexpr = 128 * BLOCK_SIZE
-        layout_k_params: tl.constexpr = 132 * BLOCK_SIZE
+        layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
+        layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
+        layout_k_params: tl.constexpr = (2 * HALF + 4) * BLOCK_SIZE
 
         rows = tl.arange(0, BLOCK_M)
         q_tok = local_block * BLOCK_Q + rows // GROUP
         head = kv_head * GROUP + rows % GROUP
         row_live = (rows < BLOCK_Q * GROUP) & (q_tok < q_len)
         q_pos = context + q_tok
-        ch = tl.arange(0, 64)
+        ch = tl.arange(0, HALF)
         q_rows = q_ptr + (q_start + q_tok).to(tl.int64)[:, None] * q_stride_t + head[:, None] * q_stride_h
         q_lo = tl.load(q_rows + ch[None, :], mask=row_live[:, None], other=0.0)
-        q_hi = tl.load(q_rows + 64 + ch[None, :], mask=row_live[:, None], other=0.0)
+        q_hi = tl.load(q_rows + HALF + ch[None, :], mask=row_live[:, None], other=0.0)
         if SUBNORMAL:  # the codes are fp16 subnormals: every MMA operand goes to fp16 (bf16 q converts exactly)
             q_lo = q_lo.to(tl.float16)
             q_hi = q_hi.to(tl.float16)
         dt = q_lo.dtype
-        qr_lo, qr_hi = rotate_halves(q_lo, q_hi, HADAMARD_BLOCK)
+        qr_lo, qr_hi = rotate_halves(q_lo, q_hi, HADAMARD_BLOCK, HALF)
         qr_lo = qr_lo.to(dt)
         qr_hi = qr_hi.to(dt)
         qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
@@ -245,8 +246,8 @@ def _paged_attention_kernel(
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc_lo = tl.zeros([BLOCK_M, 64], tl.float32)
-        acc_hi = tl.zeros([BLOCK_M, 64], tl.float32)
+        acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
         acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
         for tile in range(first_tile, last_tile):
             start = tile * TILE
@@ -258,11 +259,11 @@ def _paged_attention_kernel(
             # slots past the sequence end hold stale bytes: never let them reach the P @ V product
             written = k_pos < seq_len
             k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL,
-                                     IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+                                     IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
             k_params = (page + layout_k_params) // 2
             if IS_KIVI:
                 if kivi_block_is_per_channel(cache_f16_ptr, k_params, logical_block, seq_len, BLOCK_SIZE):
-                    scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE)
+                    scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
                 else:
                     scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset,
                                                written, CODE_SCALE)
@@ -277,7 +278,7 @@ def _paged_attention_kernel(
             alpha = tl.exp2(m_i - m_ref)
             l_i = l_i * alpha + tl.sum(p, 1)
             v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, True, BLOCK_SIZE, PTX_UNPACK,
-                                     SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+                                     SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
             sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written)
             p_scaled = (p * sv[None, :]).to(dt)
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo)
@@ -292,18 +293,18 @@ def _paged_attention_kernel(
         o_lo = acc_lo * inv_l
         o_hi = acc_hi * inv_l
         if ROTATE_V:
-            o_lo, o_hi = rotate_halves(o_lo.to(dt), o_hi.to(dt), HADAMARD_BLOCK)
+            o_lo, o_hi = rotate_halves(o_lo.to(dt), o_hi.to(dt), HADAMARD_BLOCK, HALF)
         token = (q_start + q_tok).to(tl.int64)
         if NUM_SPLITS == 1:
             out_rows = out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + ch[None, :]
             tl.store(out_rows, o_lo.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
-            tl.store(out_rows + 64, o_hi.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
+            tl.store(out_rows + HALF, o_hi.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
         else:
             # decode: one token per sequence; partials indexed by (sequence, query head, split)
             part = ((seq * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split).to(tl.int64)
-            acc_rows = part_acc_ptr + part[:, None] * 128 + ch[None, :]
+            acc_rows = part_acc_ptr + part[:, None] * (2 * HALF) + ch[None, :]
             tl.store(acc_rows, o_lo, mask=row_live[:, None])
-            tl.store(acc_rows + 64, o_hi, mask=row_live[:, None])
+            tl.store(acc_rows + HALF, o_hi, mask=row_live[:, None])
             tl.store(part_ml_ptr + part * 2, m_i, mask=row_live)
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_live)
 
@@ -311,7 +312,7 @@ def _paged_attention_kernel(
 @triton.jit(do_not_specialize_on_alignment=["query_start_loc_ptr"])  # see _paged_attention_kernel
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, out_stride_t, out_stride_h,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -324,8 +325,8 @@ def _merge_splits_kernel(
         m_max = tl.max(m, 0)
         # each partial is normalized by its own denominator l: weight it by l * exp(m - m_max)
         weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max) * l)
-        ch = tl.arange(0, 128)
-        partial = tl.load(part_acc_ptr + part[:, None] * 128 + ch[None, :])
+        ch = tl.arange(0, HEAD_DIM)
+        partial = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + ch[None, :])
         partial = tl.where(weight[:, None] > 0, partial, 0.0)
         out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
         tl.store(out_ptr + q_start.to(tl.int64) * out_stride_t + head * out_stride_h + ch,
@@ -340,7 +341,7 @@ class SplitWorkspace:
     ``num_seqs * num_splits`` that rule gives, so any batch size fits without a new allocation.
     """
 
-    part_acc: torch.Tensor  # [rows, 128] fp32, each split's output normalized by its own softmax denominator
+    part_acc: torch.Tensor  # [rows, head_dim] fp32, each split's output normalized by its own softmax denominator
     part_ml: torch.Tensor  # [rows, 2] fp32 (running max in log2 units, softmax denominator)
     num_q_heads: int
     num_kv_heads: int
@@ -348,8 +349,9 @@ class SplitWorkspace:
     max_splits: int
 
     @classmethod
-    def allocate(cls, num_q_heads: int, num_kv_heads: int, device, target_programs: int | None = None,
+    def allocate(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, device, target_programs: int | None = None,
                  max_splits: int = 64) -> "SplitWorkspace":
+        check_head_dim(head_dim)
         device = torch.device(device)
         if target_programs is None:
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -358,7 +360,7 @@ class SplitWorkspace:
         max_rows_per_head = 2 * target_programs // num_kv_heads + max_splits
         rows = max_rows_per_head * num_q_heads
         return cls(
-            part_acc=torch.empty(rows, HEAD_DIM, dtype=torch.float32, device=device),
+            part_acc=torch.empty(rows, head_dim, dtype=torch.float32, device=device),
             part_ml=torch.empty(rows, 2, dtype=torch.float32, device=device),
             num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
             target_programs=target_programs, max_splits=max_splits,
@@ -384,13 +386,13 @@ def _code_format(dtype: torch.dtype, subnormal: bool) -> dict:
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len: int,
                     softmax_scale: float, scheme: Int4Scheme, out, workspace: SplitWorkspace | None = None,
                     launch: LaunchConfig | None = None) -> None:
-    """Causal attention of query [T, Hq, 128] over the int4 paged cache into out [T, Hq, 128]."""
+    """Causal attention of query [T, Hq, D] over the int4 paged cache of head_dim D into out [T, Hq, D]."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
-    if head_dim != HEAD_DIM or num_q_heads % num_kv_heads:
-        raise ValueError(f"query must be [T, Hq, 128] with Hq a multiple of {num_kv_heads}, got {tuple(query.shape)}")
-    block_size = kv_cache.shape[2] // 136
-    PageLayout(block_size)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query must be [T, Hq, D] with Hq a multiple of {num_kv_heads}, got {tuple(query.shape)}")
+    layout = PageLayout.of_cache(kv_cache, head_dim)
+    block_size = layout.block_size
     if scheme.is_kivi and block_size != KIVI_BLOCK_SIZE:
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
     num_seqs = seq_lens.shape[0]
@@ -409,8 +411,8 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         # the default launch off the GPU: the Triton-op unpack gives bit-identical operands (tests/kernels, gpu)
         launch = replace(launch, ptx_unpack=False)
     num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None) else 1
-    if num_splits > 1 and workspace.num_q_heads != num_q_heads:
-        raise ValueError("workspace was allocated for another number of query heads")
+    if num_splits > 1 and (workspace.num_q_heads != num_q_heads or workspace.part_acc.shape[1] != head_dim):
+        raise ValueError("workspace was allocated for another number of query heads or another head_dim")
     if num_splits > 1 and num_seqs * num_q_heads * num_splits > workspace.part_ml.shape[0]:
         raise ValueError("workspace too small for this batch")  # unreachable by construction; guards misuse
     dummy = out if num_splits == 1 else None
@@ -422,14 +424,14 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile_tokens(block_size, launch.tile), BLOCK_SIZE=block_size,
-        IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=KIVI_STAGING_BLOCK if scheme.is_kivi else scheme.hadamard_block,
-        ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack,
+        IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
+        ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
         **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, workspace.part_acc, workspace.part_ml, query_start_loc, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits,
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
         )
 

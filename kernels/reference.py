@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import HALF_DIM, HEAD_DIM, KIVI_BLOCK_SIZE, PageLayout
+from .layout import KIVI_BLOCK_SIZE, PageLayout
 from .scheme import Int4Scheme
 
 QMAX = 15
@@ -43,12 +43,12 @@ def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x[..., 128] -> codes uint8[..., 128] (0..15), scale fp16[...], min fp16[...]."""
+    """x[..., D] -> codes uint8[..., D] (0..15), scale fp16[...], min fp16[...]."""
     return _quantize(x, -1)
 
 
 def quantize_per_channel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x[tokens, 128] -> codes uint8[tokens, 128], scale fp16[128], min fp16[128] (one group of tokens)."""
+    """x[tokens, D] -> codes uint8[tokens, D], scale fp16[D], min fp16[D] (one group of tokens)."""
     return _quantize(x, 0)
 
 
@@ -61,8 +61,9 @@ def dequantize_per_channel(codes: torch.Tensor, scale: torch.Tensor, minimum: to
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """codes[..., 128] -> bytes[..., 64]: byte j = channel j (low nibble) | channel j + 64 (high nibble)."""
-    return codes[..., :HALF_DIM] | (codes[..., HALF_DIM:] << 4)
+    """codes[..., D] -> bytes[..., D/2]: byte j = channel j (low nibble) | channel j + D/2 (high nibble)."""
+    half = codes.shape[-1] // 2
+    return codes[..., :half] | (codes[..., half:] << 4)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -73,20 +74,20 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 # page views
 # ---------------------------------------------------------------------------------------------------------------
 class PageViews:
-    """Typed views into a uint8 cache [num_blocks, num_kv_heads, block_size * 136]; writes go to the cache."""
+    """Typed views into a uint8 cache [num_blocks, num_kv_heads, block_size * (head_dim + 8)] of head_dim-wide
+    heads; writes go to the cache."""
 
-    def __init__(self, kv_cache: torch.Tensor):
+    def __init__(self, kv_cache: torch.Tensor, head_dim: int):
         if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3:
             raise ValueError(f"kv_cache must be uint8 [blocks, kv_heads, page_bytes], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
-        nb, nh, page = kv_cache.shape
-        if page % 136:
-            raise ValueError(f"page of {page} bytes is not block_size * 136")
-        self.block_size = page // 136
-        lay = PageLayout(self.block_size)
-        b = self.block_size
-        self.k_codes = kv_cache[:, :, lay.k_codes : lay.v_codes].view(nb, nh, b, HALF_DIM)
+        lay = PageLayout.of_cache(kv_cache, head_dim)
+        nb, nh, _ = kv_cache.shape
+        b = self.block_size = lay.block_size
+        self.head_dim = head_dim
+        half = lay.half_dim
+        self.k_codes = kv_cache[:, :, lay.k_codes : lay.v_codes].view(nb, nh, b, half)
         # channel-major in memory; the view is [block, head, token, byte] like k_codes
-        self.v_codes = kv_cache[:, :, lay.v_codes : lay.v_params].view(nb, nh, HALF_DIM, b).transpose(2, 3)
+        self.v_codes = kv_cache[:, :, lay.v_codes : lay.v_params].view(nb, nh, half, b).transpose(2, 3)
         self.v_params = kv_cache[:, :, lay.v_params : lay.k_params].view(torch.float16).view(nb, nh, b, 2)
         self.k_params = kv_cache[:, :, lay.k_params : lay.page_bytes].view(torch.float16).view(nb, nh, b, 2)
 
@@ -95,12 +96,12 @@ class PageViews:
 # store
 # ---------------------------------------------------------------------------------------------------------------
 def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme) -> None:
-    """Quantize key/value [T, Hkv, 128] into their slots; slot < 0 marks padding and is skipped."""
-    pages = PageViews(kv_cache)
+    """Quantize key/value [T, Hkv, D] into their slots; slot < 0 marks padding and is skipped."""
+    pages = PageViews(kv_cache, key.shape[-1])
     bsz = pages.block_size
     if scheme.is_kivi and bsz != KIVI_BLOCK_SIZE:
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {bsz}")
-    rot = scheme.rotation(key.device)
+    rot = scheme.rotation(key.shape[-1], key.device)
     slots = slot_mapping.long()
     live = (slots >= 0).nonzero().squeeze(1)
     blk, off = slots[live] // bsz, slots[live] % bsz
@@ -129,8 +130,11 @@ def _close_kivi_blocks(key, slots, pages: PageViews) -> None:
         for h in range(key.shape[1]):
             codes, scale, minimum = quantize_per_channel(key[src, h].float())
             pages.k_codes[blk, h] = pack_nibbles(codes)
-            # a clear sign bit says "per channel", also for a NaN scale (a broken input)
-            pages.k_params[blk, h] = torch.stack([scale.abs(), minimum], -1)
+            # a clear sign bit says "per channel", also for a NaN scale (a broken input); below head_dim 128 the
+            # channels' params fill the first head_dim entries and the rest is cleared, so the closed block's
+            # bytes depend on its keys alone
+            pages.k_params[blk, h] = 0
+            pages.k_params[blk, h, : key.shape[-1]] = torch.stack([scale.abs(), minimum], -1)
 
 
 def staged_flags(k_params: torch.Tensor) -> torch.Tensor:
@@ -142,20 +146,20 @@ def staged_flags(k_params: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # read + attention
 # ---------------------------------------------------------------------------------------------------------------
-def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Scheme):
-    """The first seq_len keys and values of one sequence, [seq_len, Hkv, 128] float32, in the original space."""
-    pages = PageViews(kv_cache)
+def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Scheme, head_dim: int):
+    """The first seq_len keys and values of one sequence, [seq_len, Hkv, head_dim] float32, in the original space."""
+    pages = PageViews(kv_cache, head_dim)
     bsz = pages.block_size
-    rot = scheme.rotation(kv_cache.device)
+    rot = scheme.rotation(head_dim, kv_cache.device)
     nblocks = -(-seq_len // bsz)
     blocks = block_table_row[:nblocks].long()
-    k_codes = unpack_nibbles(pages.k_codes[blocks])  # [n, Hkv, B, 128]
+    k_codes = unpack_nibbles(pages.k_codes[blocks])  # [n, Hkv, B, D]
     kp = pages.k_params[blocks]
     k = dequantize_per_token(k_codes, kp[..., 0].abs(), kp[..., 1]) @ rot  # abs: the staged flag (staged_flags)
     if scheme.is_kivi:
         full = torch.arange(nblocks, device=kv_cache.device) * bsz + bsz <= seq_len
         closed = full[:, None] & ~staged_flags(kp)  # [n, Hkv]: per head, as every head's page carries its flag
-        per_channel = dequantize_per_channel(k_codes, kp[..., None, :, 0], kp[..., None, :, 1])
+        per_channel = dequantize_per_channel(k_codes, kp[..., None, :head_dim, 0], kp[..., None, :head_dim, 1])
         k = torch.where(closed[:, :, None, None], per_channel, k)
     vp = pages.v_params[blocks]
     v = dequantize_per_token(unpack_nibbles(pages.v_codes[blocks]), vp[..., 0], vp[..., 1])
@@ -163,13 +167,13 @@ def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Sch
         v = v @ rot
 
     def tokens_first(x):
-        return x.transpose(1, 2).reshape(nblocks * bsz, -1, HEAD_DIM)[:seq_len]
+        return x.transpose(1, 2).reshape(nblocks * bsz, -1, head_dim)[:seq_len]
 
     return tokens_first(k), tokens_first(v)
 
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, scheme: Int4Scheme):
-    """Causal attention of query [T, Hq, 128] over the paged int4 cache; returns float32 [T, Hq, 128]."""
+    """Causal attention of query [T, Hq, D] over the paged int4 cache; returns float32 [T, Hq, D]."""
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     num_kv_heads = kv_cache.shape[1]
     group = query.shape[1] // num_kv_heads
@@ -179,7 +183,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sof
         q_len = q.shape[0]
         if q_len == 0:
             continue
-        k, v = dequantize_sequence(kv_cache, block_table[i], seq_len, scheme)
+        k, v = dequantize_sequence(kv_cache, block_table[i], seq_len, scheme, query.shape[-1])
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale

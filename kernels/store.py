@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import HALF_DIM, KIVI_BLOCK_SIZE, PageLayout
+from .layout import KIVI_BLOCK_SIZE, PageLayout
 from .scheme import Int4Scheme
 from .triton_common import encode, finite_rows, rotate_halves, scale_and_min
 
@@ -26,18 +26,18 @@ def _store_per_token_kernel(
     src_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr,
     num_tokens, src_stride_t, src_stride_h, stride_block, stride_head,
     CODES_OFFSET: tl.constexpr, PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
-    ROTATE: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, TOKENS: tl.constexpr,
+    ROTATE: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, TOKENS: tl.constexpr, HALF: tl.constexpr,
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
     live = slot >= 0
-    ch = tl.arange(0, 64)
+    ch = tl.arange(0, HALF)
     src = src_ptr + tok[:, None].to(tl.int64) * src_stride_t + head * src_stride_h + ch[None, :]
     x_lo = tl.load(src, mask=live[:, None], other=0.0)
-    x_hi = tl.load(src + 64, mask=live[:, None], other=0.0)
+    x_hi = tl.load(src + HALF, mask=live[:, None], other=0.0)
     if ROTATE:
-        y_lo, y_hi = rotate_halves(x_lo, x_hi, HADAMARD_BLOCK)
+        y_lo, y_hi = rotate_halves(x_lo, x_hi, HADAMARD_BLOCK, HALF)
     else:
         y_lo, y_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
     lo = tl.minimum(tl.min(y_lo, 1), tl.min(y_hi, 1))
@@ -51,7 +51,7 @@ def _store_per_token_kernel(
     if CHANNEL_MAJOR:  # V codes (layout.py): byte j of token t at j * BLOCK_SIZE + t
         codes = (page + CODES_OFFSET + offset)[:, None] + ch[None, :] * BLOCK_SIZE
     else:
-        codes = (page + CODES_OFFSET + offset * 64)[:, None] + ch[None, :]
+        codes = (page + CODES_OFFSET + offset * HALF)[:, None] + ch[None, :]
     tl.store(cache_u8_ptr + codes, packed, mask=live[:, None])
     params = (page + PARAMS_OFFSET) // 2 + offset * 2
     tl.store(cache_f16_ptr + params, scale.to(tl.float16), mask=live)
@@ -62,7 +62,7 @@ def _store_per_token_kernel(
 def _kivi_close_kernel(
     key_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr,
     key_stride_t, key_stride_h, stride_block, stride_head,
-    K_PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K_PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
 ):
     """Program (token, head): if the token filled its block's last slot, quantize the block's keys per channel from
     the originals when all of them are in this batch, else keep its staged keys and flag the block (reference.py)."""
@@ -71,7 +71,7 @@ def _kivi_close_kernel(
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if (slot >= 0) & (slot % BLOCK_SIZE == BLOCK_SIZE - 1):
         t = tl.arange(0, BLOCK_SIZE)
-        ch = tl.arange(0, 64)
+        ch = tl.arange(0, HALF)
         page = (slot // BLOCK_SIZE) * stride_block + head * stride_head
         k_params = (page + K_PARAMS_OFFSET) // 2
         # the block's keys are all in this batch iff the 127 rows before this one are its earlier slots
@@ -81,19 +81,22 @@ def _kivi_close_kernel(
         if tl.min(fresh.to(tl.int32), 0) == 1:
             key = key_ptr + src[:, None].to(tl.int64) * key_stride_t + head * key_stride_h + ch[None, :]
             k_lo = tl.load(key).to(tl.float32)
-            k_hi = tl.load(key + 64).to(tl.float32)
+            k_hi = tl.load(key + HALF).to(tl.float32)
             finite_lo = tl.min(((k_lo == k_lo) & (tl.abs(k_lo) != float("inf"))).to(tl.int32), 0)
             finite_hi = tl.min(((k_hi == k_hi) & (tl.abs(k_hi) != float("inf"))).to(tl.int32), 0)
             s_lo, m_lo = scale_and_min(tl.min(k_lo, 0), tl.max(k_lo, 0), finite_lo)
             s_hi, m_hi = scale_and_min(tl.min(k_hi, 0), tl.max(k_hi, 0), finite_hi)
             codes = encode(k_lo, s_lo[None, :], m_lo[None, :]) | (encode(k_hi, s_hi[None, :], m_hi[None, :]) << 4)
-            tl.store(cache_u8_ptr + page + t[:, None] * 64 + ch[None, :], codes)
+            tl.store(cache_u8_ptr + page + t[:, None] * HALF + ch[None, :], codes)
             channel_params = k_params + ch * 2
             # a clear sign bit says "per channel", also for a NaN scale (a broken input)
             tl.store(cache_f16_ptr + channel_params, tl.abs(s_lo).to(tl.float16))
             tl.store(cache_f16_ptr + channel_params + 1, m_lo.to(tl.float16))
-            tl.store(cache_f16_ptr + channel_params + 128, tl.abs(s_hi).to(tl.float16))
-            tl.store(cache_f16_ptr + channel_params + 129, m_hi.to(tl.float16))
+            tl.store(cache_f16_ptr + channel_params + 2 * HALF, tl.abs(s_hi).to(tl.float16))
+            tl.store(cache_f16_ptr + channel_params + 2 * HALF + 1, m_hi.to(tl.float16))
+            if 4 * HALF < 2 * BLOCK_SIZE:  # head_dim < 128: clear the rest, so the bytes depend on the keys alone
+                rest = 4 * HALF + tl.arange(0, 2 * BLOCK_SIZE - 4 * HALF)
+                tl.store(cache_f16_ptr + k_params + rest, tl.zeros_like(rest).to(tl.float16))
         else:
             first_scale = tl.load(cache_f16_ptr + k_params)
             tl.store(cache_f16_ptr + k_params, -tl.abs(first_scale))
@@ -101,18 +104,20 @@ def _kivi_close_kernel(
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              scheme: Int4Scheme) -> None:
-    """Quantize key/value [T, Hkv, 128] (fp16/bf16, any token/head strides) into kv_cache at slot_mapping."""
+    """Quantize key/value [T, Hkv, D] (fp16/bf16, any token/head strides) into kv_cache at slot_mapping."""
     num_tokens, num_kv_heads, head_dim = key.shape
-    if head_dim != 2 * HALF_DIM or key.stride(-1) != 1 or value.stride(-1) != 1:
-        raise ValueError(f"key/value must be [T, Hkv, 128] with contiguous channels, got {tuple(key.shape)}")
-    if num_tokens == 0:
-        return
-    block_size = kv_cache.shape[2] // 136
-    layout = PageLayout(block_size)
+    if value.shape != key.shape or key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError(f"key/value must be [T, Hkv, head_dim] with contiguous channels, got {tuple(key.shape)} "
+                         f"and {tuple(value.shape)}")
+    layout = PageLayout.of_cache(kv_cache, head_dim)
+    block_size = layout.block_size
     if scheme.is_kivi and block_size != KIVI_BLOCK_SIZE:
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
+    if num_tokens == 0:
+        return
     cache_f16 = kv_cache.view(torch.float16)
-    common = dict(BLOCK_SIZE=block_size, HADAMARD_BLOCK=scheme.hadamard_block, TOKENS=TOKENS_PER_PROGRAM)
+    common = dict(BLOCK_SIZE=block_size, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim), TOKENS=TOKENS_PER_PROGRAM,
+                  HALF=layout.half_dim)
     grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)
     for src, codes_offset, params_offset, channel_major, rotate in (
         (key, layout.k_codes, layout.k_params, False, True),
@@ -128,5 +133,5 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         _kivi_close_kernel[(num_tokens, num_kv_heads)](
             key, slot_mapping, kv_cache, cache_f16,
             key.stride(0), key.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-            K_PARAMS_OFFSET=layout.k_params, BLOCK_SIZE=block_size, num_warps=8,
+            K_PARAMS_OFFSET=layout.k_params, BLOCK_SIZE=block_size, HALF=layout.half_dim, num_warps=8,
         )

@@ -8,14 +8,14 @@ EPS = tl.constexpr(2.0**-14)  # same as reference.EPS
 
 
 @triton.jit
-def hadamard_quadrant(ROW0: tl.constexpr, COL0: tl.constexpr, HADAMARD_BLOCK: tl.constexpr):
-    """64 x 64 quadrant (rows ROW0.., cols COL0..) of the unnormalized block-diagonal Sylvester Hadamard.
+def hadamard_quadrant(ROW0: tl.constexpr, COL0: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
+    """HALF x HALF quadrant (rows ROW0.., cols COL0..) of the unnormalized block-diagonal Sylvester Hadamard.
 
     Entry (i, j) is (-1)^popcount(i & j) inside a diagonal block and 0 outside: built from the indices,
     so no matrix is loaded, and +-1 is exact in fp16/bf16 (the 1/sqrt(b) is applied in fp32 after the dot).
     """
-    i = ROW0 + tl.arange(0, 64)[:, None]
-    j = COL0 + tl.arange(0, 64)[None, :]
+    i = ROW0 + tl.arange(0, HALF)[:, None]
+    j = COL0 + tl.arange(0, HALF)[None, :]
     bits = (i % HADAMARD_BLOCK) & (j % HADAMARD_BLOCK)
     bits = bits ^ (bits >> 4)
     bits = bits ^ (bits >> 2)
@@ -26,30 +26,30 @@ def hadamard_quadrant(ROW0: tl.constexpr, COL0: tl.constexpr, HADAMARD_BLOCK: tl
 
 
 @triton.jit
-def rotate_halves(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr):
-    """(x @ R) for fp16/bf16 x given as its two 64-channel halves; R = blockdiag(H_b) / sqrt(b). Returns fp32.
+def rotate_halves(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
+    """(x @ R) for fp16/bf16 x given as its two HALF-channel halves; R = blockdiag(H_b) / sqrt(b). Returns fp32.
 
     The +-1 signs are exact in 16 bits, so the products are exact and the dots run on tensor cores (fp32 values:
     rotate_halves_fp32, not an fp32 dot, which is TF32 or, as "ieee", slow).
     """
     dt = x_lo.dtype
-    y_lo = tl.dot(x_lo, hadamard_quadrant(0, 0, HADAMARD_BLOCK).to(dt)) + tl.dot(
-        x_hi, hadamard_quadrant(64, 0, HADAMARD_BLOCK).to(dt))
-    y_hi = tl.dot(x_lo, hadamard_quadrant(0, 64, HADAMARD_BLOCK).to(dt)) + tl.dot(
-        x_hi, hadamard_quadrant(64, 64, HADAMARD_BLOCK).to(dt))
+    y_lo = tl.dot(x_lo, hadamard_quadrant(0, 0, HADAMARD_BLOCK, HALF).to(dt)) + tl.dot(
+        x_hi, hadamard_quadrant(HALF, 0, HADAMARD_BLOCK, HALF).to(dt))
+    y_hi = tl.dot(x_lo, hadamard_quadrant(0, HALF, HADAMARD_BLOCK, HALF).to(dt)) + tl.dot(
+        x_hi, hadamard_quadrant(HALF, HALF, HADAMARD_BLOCK, HALF).to(dt))
     norm = 1.0 / tl.sqrt(HADAMARD_BLOCK * 1.0)
     return y_lo * norm, y_hi * norm
 
 
 @triton.jit
-def rotate_halves_fp32(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr):
+def rotate_halves_fp32(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
     """rotate_halves for fp32 values at about fp32 precision, still on tensor cores: x = hi + lo with hi the fp16
     rounding of x and lo the fp16 rounding of the rest (21 significant bits together), each rotated exactly."""
     hi_lo = x_lo.to(tl.float16)
     hi_hi = x_hi.to(tl.float16)
-    y_lo, y_hi = rotate_halves(hi_lo, hi_hi, HADAMARD_BLOCK)
+    y_lo, y_hi = rotate_halves(hi_lo, hi_hi, HADAMARD_BLOCK, HALF)
     r_lo, r_hi = rotate_halves((x_lo - hi_lo.to(tl.float32)).to(tl.float16),
-                               (x_hi - hi_hi.to(tl.float32)).to(tl.float16), HADAMARD_BLOCK)
+                               (x_hi - hi_hi.to(tl.float32)).to(tl.float16), HADAMARD_BLOCK, HALF)
     return y_lo + r_lo, y_hi + r_hi
 
 
@@ -79,19 +79,19 @@ def kivi_block_is_per_channel(cache_f16_ptr, k_params, logical_block, seq_len, B
 
 
 @triton.jit
-def load_channel_params(cache_f16_ptr, params):
-    """fp32 (scale, min) of channels 0-63 and 64-127 of a closed KIVI block, each [1, 64]."""
-    ch = tl.arange(0, 64)
+def load_channel_params(cache_f16_ptr, params, HALF: tl.constexpr):
+    """fp32 (scale, min) of channels 0..HALF-1 and HALF..2*HALF-1 of a closed KIVI block, each [1, HALF]."""
+    ch = tl.arange(0, HALF)
     s_lo = tl.load(cache_f16_ptr + params + ch * 2).to(tl.float32)[None, :]
     m_lo = tl.load(cache_f16_ptr + params + ch * 2 + 1).to(tl.float32)[None, :]
-    s_hi = tl.load(cache_f16_ptr + params + 128 + ch * 2).to(tl.float32)[None, :]
-    m_hi = tl.load(cache_f16_ptr + params + 128 + ch * 2 + 1).to(tl.float32)[None, :]
+    s_hi = tl.load(cache_f16_ptr + params + 2 * HALF + ch * 2).to(tl.float32)[None, :]
+    m_hi = tl.load(cache_f16_ptr + params + 2 * HALF + ch * 2 + 1).to(tl.float32)[None, :]
     return s_lo, m_lo, s_hi, m_hi
 
 
 @triton.jit
 def finite_rows(x_lo, x_hi):
-    """1 for rows whose 128 values are all finite, 0 otherwise."""
+    """1 for rows whose values (both halves) are all finite, 0 otherwise."""
     ok_lo = (x_lo == x_lo) & (tl.abs(x_lo) != float("inf"))
     ok_hi = (x_hi == x_hi) & (tl.abs(x_hi) != float("inf"))
     return tl.minimum(tl.min(ok_lo.to(tl.int32), 1), tl.min(ok_hi.to(tl.int32), 1))

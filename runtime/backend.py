@@ -1,7 +1,8 @@
 """S4 KV as a vLLM 0.26.0 v1 attention backend (registered as ``CUSTOM``; the CUDA path, Triton kernels).
 
-Layout: vLLM sizes an ``int4_per_token_head`` page at ``block_size * num_kv_heads * 136`` bytes; our cache tensor is
-exactly that, ``uint8[num_blocks, num_kv_heads, block_size * 136]`` (kernels/layout.py), physical == logical.
+Layout: vLLM sizes an ``int4_per_token_head`` page at ``block_size * num_kv_heads * (head_dim + 8)`` bytes; our cache
+tensor is exactly that, ``uint8[num_blocks, num_kv_heads, block_size * (head_dim + 8)]`` (kernels/layout.py), physical
+== logical.
 The store runs in ``do_kv_cache_update`` (before attention, as for TRITON_ATTN). Decode tokens read the int4 cache
 directly (memory-bound: 3.8x fewer bytes than bf16). Prefill chunks are compute-bound, so their sequences' K/V
 (int4 prefix dequantized + the chunk's fresh K/V) are gathered into a dense buffer and run through vLLM's own
@@ -27,7 +28,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from s4kv.kernels.layout import HEAD_DIM, cache_shape
+from s4kv.kernels.layout import SUPPORTED_HEAD_DIMS, cache_shape
 from s4kv.kernels.scheme import Int4Scheme
 
 from .config import ATTENTION_BACKEND, BLOCK_SIZE, CONFIG_KEY, KV_CACHE_DTYPE, S4KVConfigError, check_vllm_config
@@ -54,12 +55,13 @@ class S4KVAttentionBackend(AttentionBackend):
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
     ) -> tuple[int, ...]:
-        if cache_dtype_str != KV_CACHE_DTYPE or head_size != HEAD_DIM or block_size != BLOCK_SIZE:
+        if cache_dtype_str != KV_CACHE_DTYPE or head_size not in SUPPORTED_HEAD_DIMS or block_size != BLOCK_SIZE:
             raise ValueError(
-                f"S4 KV pages need kv_cache_dtype {KV_CACHE_DTYPE}, head_size {HEAD_DIM} and block_size {BLOCK_SIZE}; "
+                f"S4 KV pages need kv_cache_dtype {KV_CACHE_DTYPE}, head_size "
+                f"{' or '.join(map(str, SUPPORTED_HEAD_DIMS))} and block_size {BLOCK_SIZE}; "
                 f"got {cache_dtype_str}, {head_size} and {block_size}"
             )
-        return cache_shape(num_blocks, num_kv_heads, block_size)
+        return cache_shape(num_blocks, num_kv_heads, block_size, head_size)
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
@@ -119,7 +121,7 @@ class PrefillPlan:
     cu_seqlens_k: torch.Tensor  # [num_prefills + 1] int32, rows of dense_k/dense_v
     max_query_len: int
     max_seq_len: int
-    dense_k: torch.Tensor  # [sum of prefill seq_lens, Hkv, 128], model dtype
+    dense_k: torch.Tensor  # [sum of prefill seq_lens, Hkv, head_dim], model dtype
     dense_v: torch.Tensor
     fa_version: int | None
 
@@ -151,7 +153,8 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         model_config = self.vllm_config.model_config
         parallel = self.vllm_config.parallel_config
         return SplitWorkspace.allocate(
-            model_config.get_num_attention_heads(parallel), model_config.get_num_kv_heads(parallel), self.device
+            model_config.get_num_attention_heads(parallel), model_config.get_num_kv_heads(parallel),
+            model_config.get_head_size(), self.device
         )
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -224,7 +227,7 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
             raise S4KVConfigError(f'S4 KV\'s attention backend needs additional_config["{CONFIG_KEY}"].')
         self.scheme: Int4Scheme = config.scheme
         unsupported = {
-            "head_size other than 128": head_size != HEAD_DIM,
+            f"head_size {head_size}": head_size not in SUPPORTED_HEAD_DIMS,
             "ALiBi": alibi_slopes is not None,
             "sliding-window attention": sliding_window is not None,
             "logits soft-capping": bool(logits_soft_cap),

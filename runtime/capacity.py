@@ -6,8 +6,8 @@ max model length, the memory utilisation, and how many requests of a given conte
 KV cache in bf16, fp8 and int4. The CDK app renders the same plan into its user data and outputs.
 
 KV bytes per token, per layer and KV head: bf16 4*head_dim, fp8 2*head_dim, int4 head_dim + 8
-(both S4 KV schemes and vLLM's int4_per_token_head: 136 at head_dim 128). vLLM pages hold 16 tokens
-for bf16/fp8 and 128 for int4, so a request occupies whole pages. No torch or vLLM import.
+(both S4 KV schemes and vLLM's int4_per_token_head: 136 at head_dim 128, 72 at 64; kernels/layout.py). vLLM
+pages hold 16 tokens for bf16/fp8 and 128 for int4, so a request occupies whole pages. No torch or vLLM import.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from s4kv.kernels.layout import SUPPORTED_HEAD_DIMS, bf16_bytes_per_token, bytes_per_token
 from s4kv.runtime import catalog, model_shapes
 
 GPU_MEMORY_UTILIZATION = 0.90
@@ -25,7 +26,6 @@ GPU_MEMORY_UTILIZATION = 0.90
 RUNTIME_RESERVE_MIB = 2048
 MIN_MODEL_LEN = 4096  # below this a deployment is not useful for chat; the instance does not fit
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
-S4KV_HEAD_DIM = 128  # both S4 KV schemes are built for head_dim 128 (kernels/layout.py)
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class KvFormat:
     block_size: int
 
     def bytes_per_head_token(self, head_dim: int) -> int:
-        return {"bf16": 4 * head_dim, "fp8": 2 * head_dim, "int4": head_dim + 8}[self.name]
+        return {"bf16": bf16_bytes_per_token(head_dim), "fp8": bf16_bytes_per_token(head_dim) // 2,
+                "int4": bytes_per_token(head_dim)}[self.name]
 
 
 KV_FORMATS = {"bf16": KvFormat("bf16", 16), "fp8": KvFormat("fp8", 16), "int4": KvFormat("int4", 128)}
@@ -122,8 +123,9 @@ def plan(
     model length shrinks to what fits (at least MIN_MODEL_LEN), else DoesNotFit."""
     if scheme not in SCHEME_FORMAT:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEME_FORMAT)}")
-    if SCHEME_FORMAT[scheme] == "int4" and model.head_dim != S4KV_HEAD_DIM:
-        raise DoesNotFit(f"{model.name}: S4 KV schemes need head_dim {S4KV_HEAD_DIM}, the model has {model.head_dim}")
+    if SCHEME_FORMAT[scheme] == "int4" and model.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise DoesNotFit(f"{model.name}: S4 KV schemes need head_dim {' or '.join(map(str, SUPPORTED_HEAD_DIMS))}, "
+                         f"the model has {model.head_dim}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if context is not None and not 0 < context <= model.max_position_embeddings:

@@ -10,13 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from s4kv.kernels.layout import BYTES_PER_TOKEN, HEAD_DIM
+from s4kv.kernels.layout import bf16_bytes_per_token, bytes_per_token
 
 from .config import EngineFacts, ModelFacts, engine_rejections, model_rejections, read_model_config
 from .serve import add_scheme_arguments, scheme_config
-
-BF16_BYTES_PER_TOKEN = 2 * 2 * HEAD_DIM  # K and V, 2 bytes per channel, per KV head
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="local model folder, its config.json, or a Hugging Face id in the local cache")
@@ -34,9 +31,11 @@ def verdict(model: str, args: argparse.Namespace) -> tuple[bool, str]:
     if reasons:
         return False, f"{name}: not supported with {config.scheme.name}. " + " ".join(reasons)
     family = facts.family or "outside the validated families (allowed by allow_unsupported_model)"
+    int4_bytes = bytes_per_token(facts.head_dim)
     return True, (
         f"{name}: supported with {config.scheme.name} ({family}, head_dim {facts.head_dim}); KV cache "
-        f"{BYTES_PER_TOKEN} B per token and KV head, {BF16_BYTES_PER_TOKEN / BYTES_PER_TOKEN:.2f}x denser than bf16."
+        f"{int4_bytes} B per token and KV head, {bf16_bytes_per_token(facts.head_dim) / int4_bytes:.2f}x denser "
+        f"than bf16."
     )
 
 

@@ -13,13 +13,13 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from s4kv.kernels.layout import HEAD_DIM, KIVI_BLOCK_SIZE
+from s4kv.kernels.layout import KIVI_BLOCK_SIZE, SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 
 CONFIG_KEY = "s4kv"  # additional_config key
 VLLM_VERSION = "0.26.0"
-# vLLM 0.26 cannot learn a new --kv-cache-dtype string from a plugin; ours reuse this one's page budget (136 B per token
-# and KV head, see kernels/layout.py).
+# vLLM 0.26 cannot learn a new --kv-cache-dtype string from a plugin; ours reuse this one's page budget (head_dim + 8 B
+# per token and KV head, see kernels/layout.py).
 KV_CACHE_DTYPE = "int4_per_token_head"
 ATTENTION_BACKEND = "CUSTOM"
 # One page per kernel block of 128 tokens for both schemes (a KIVI key group is one full page).
@@ -57,7 +57,9 @@ class S4KVConfig:
         """The ``additional_config["s4kv"]`` dict that parses back to this config."""
         options: dict[str, Any] = {"scheme": self.scheme.name}
         if not self.scheme.is_kivi:
-            options.update(hadamard_block=self.scheme.hadamard_block, rotate_values=self.scheme.rotate_values)
+            if self.scheme.hadamard_block is not None:
+                options["hadamard_block"] = self.scheme.hadamard_block
+            options["rotate_values"] = self.scheme.rotate_values
         if self.allow_unsupported_model:
             options[ALLOW_UNSUPPORTED_MODEL] = True
         return options
@@ -230,8 +232,16 @@ def engine_rejections(config: S4KVConfig, engine: EngineFacts) -> list[str]:
 def model_rejections(config: S4KVConfig, model: ModelFacts) -> list[str]:
     scheme = config.scheme.name
     reasons = []
-    if model.head_dim != HEAD_DIM:
-        reasons.append(f"{model.name} has head_dim {model.head_dim}; {scheme} supports head_dim {HEAD_DIM} only.")
+    if model.head_dim not in SUPPORTED_HEAD_DIMS:
+        reasons.append(
+            f"{model.name} has head_dim {model.head_dim}; {scheme} supports head_dim "
+            f"{' and '.join(map(str, SUPPORTED_HEAD_DIMS))} only (its int4 page and kernels are built for those)."
+        )
+    else:
+        try:
+            config.scheme.hadamard_block_for(model.head_dim)
+        except ValueError as err:
+            reasons.append(f"{model.name}: {err}.")
     if model.uses_mla:
         reasons.append(f"{model.name} uses multi-head latent attention (MLA), which {scheme} does not support.")
     if model.sliding_window:

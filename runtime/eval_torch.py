@@ -8,7 +8,7 @@ format's KV cache would and hands attention what that cache gives back:
   per channel when one write holds the whole block, else staged) and attention reads ``dequantize_sequence``;
 * ``bf16_fa3``: K/V rounded to bf16 (what a bf16 cache holds); the reference of the comparison;
 * ``fp8_fa3``: K/V cast to fp8 e4m3 with scale 1 (saturating), as vLLM's fp8 cache without checkpoint scales;
-* ``vllm_int4``: an emulation of vLLM's int4_per_token_head: a 128-wide Hadamard with fixed random signs, then
+* ``vllm_int4``: an emulation of vLLM's int4_per_token_head: a head-wide Hadamard with fixed random signs, then
   per-token asymmetric int4 (fp16 scale and min here; vLLM packs its zero point into an fp32 scale).
 
 It runs on the CPU in float32, so CI can check that the metrics are computed correctly on real models.
@@ -23,7 +23,7 @@ import torch
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.hadamard import block_hadamard
-from s4kv.kernels.layout import HEAD_DIM, cache_shape
+from s4kv.kernels.layout import check_head_dim, cache_shape
 from s4kv.kernels.scheme import Int4Scheme
 
 from .eval_data import RegimeInputs
@@ -47,11 +47,12 @@ class PagedInt4Cache:
         self.caches: dict[tuple[int, int], torch.Tensor] = {}
         self.lengths: dict[tuple[int, int], int] = {}
 
-    def _cache_for(self, slot: tuple[int, int], num_kv_heads: int, length: int, device) -> torch.Tensor:
+    def _cache_for(self, slot: tuple[int, int], num_kv_heads: int, head_dim: int, length: int, device) -> torch.Tensor:
         blocks = -(-length // BLOCK_SIZE)
         cache = self.caches.get(slot)
         if cache is None or cache.shape[0] < blocks:
-            grown = torch.zeros(cache_shape(blocks, num_kv_heads, BLOCK_SIZE), dtype=torch.uint8, device=device)
+            grown = torch.zeros(cache_shape(blocks, num_kv_heads, BLOCK_SIZE, head_dim), dtype=torch.uint8,
+                                device=device)
             if cache is not None:
                 grown[: cache.shape[0]] = cache
             cache = self.caches[slot] = grown
@@ -59,13 +60,12 @@ class PagedInt4Cache:
 
     def __call__(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
         batch, num_kv_heads, length, head_dim = key.shape
-        if head_dim != HEAD_DIM:
-            raise ValueError(f"S4 KV needs head_dim {HEAD_DIM}, the model has {head_dim}")
+        check_head_dim(head_dim)
         keys, values = [], []
         for b in range(batch):
             slot = (layer_idx, b)
             stored = self.lengths.get(slot, 0)
-            cache = self._cache_for(slot, num_kv_heads, length, key.device)
+            cache = self._cache_for(slot, num_kv_heads, head_dim, length, key.device)
             # only tokens the cache has not seen yet, as in a paged cache
             bounds = [stored, length] if self.prefill_tokens is None else \
                 sorted({stored, length, *range(max(stored, self.prefill_tokens), length)})
@@ -74,7 +74,8 @@ class PagedInt4Cache:
                              value[b, :, start:stop].transpose(0, 1).float(),
                              cache, torch.arange(start, stop, device=key.device), self.scheme)
             self.lengths[slot] = max(stored, length)
-            k, v = ref.dequantize_sequence(cache, torch.arange(cache.shape[0], device=key.device), length, self.scheme)
+            k, v = ref.dequantize_sequence(cache, torch.arange(cache.shape[0], device=key.device), length, self.scheme,
+                                           head_dim)
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
         return torch.stack(keys), torch.stack(values)
@@ -94,11 +95,17 @@ class RotatedPerTokenInt4:
     """Emulation of vLLM's int4_per_token_head: random-sign Hadamard over the head, per-token int4."""
 
     def __init__(self, seed: int = 0x9E3779B9):
-        signs = torch.randint(0, 2, (HEAD_DIM,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
-        self.rotation = signs[:, None].float() * block_hadamard(HEAD_DIM, HEAD_DIM)  # orthonormal
+        self.seed = seed
+        self.rotations: dict[int, torch.Tensor] = {}  # by head_dim
+
+    def _rotation(self, head_dim: int) -> torch.Tensor:
+        if head_dim not in self.rotations:
+            signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(self.seed)) * 2 - 1
+            self.rotations[head_dim] = signs[:, None].float() * block_hadamard(head_dim, head_dim)  # orthonormal
+        return self.rotations[head_dim]
 
     def _round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        rotation = self.rotation.to(x.device)
+        rotation = self._rotation(x.shape[-1]).to(x.device)
         codes, scale, minimum = ref.quantize_per_token(x.float() @ rotation)
         return ref.dequantize_per_token(codes, scale, minimum) @ rotation.T
 

@@ -71,7 +71,7 @@ def incompatibility() -> str | None:
     import torch
     import vllm
 
-    from s4kv.kernels.layout import PageLayout
+    from s4kv.kernels.layout import SUPPORTED_HEAD_DIMS, PageLayout
 
     from .config import BLOCK_SIZE, KV_CACHE_DTYPE
 
@@ -88,15 +88,17 @@ def incompatibility() -> str | None:
     shape_params = list(inspect.signature(AttentionBackend.get_kv_cache_shape).parameters)
     if shape_params != ["num_blocks", "block_size", "num_kv_heads", "head_size", "cache_dtype_str"]:
         return f"this vLLM's AttentionBackend.get_kv_cache_shape takes {shape_params}, not the 0.26.0 arguments."
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=128, dtype=torch.uint8,
-        kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD,
-    )
-    if spec.page_size_bytes != PageLayout(BLOCK_SIZE).page_bytes:
-        return (
-            f"this vLLM sizes an {KV_CACHE_DTYPE} page at {spec.page_size_bytes} bytes per KV head, "
-            f"not the {PageLayout(BLOCK_SIZE).page_bytes} S4 KV's layout fills."
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=head_dim, dtype=torch.uint8,
+            kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD,
         )
+        ours = PageLayout(BLOCK_SIZE, head_dim).page_bytes
+        if spec.page_size_bytes != ours:
+            return (
+                f"this vLLM sizes an {KV_CACHE_DTYPE} page at head_dim {head_dim} at {spec.page_size_bytes} bytes per "
+                f"KV head, not the {ours} S4 KV's layout fills."
+            )
     return None
 
 

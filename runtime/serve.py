@@ -40,7 +40,7 @@ def add_scheme_arguments(parser: argparse.ArgumentParser, required: bool = True)
     parser.add_argument("--scheme", choices=("int4_kivi", "int4_saw"), required=required,
                         default=None if required else "int4_kivi", help="S4 KV scheme")
     parser.add_argument("--hadamard-block", type=int, choices=(32, 64, 128),
-                        help="int4_saw: size of the block-diagonal Hadamard rotation (default 128)")
+                        help="int4_saw: size of the block-diagonal Hadamard rotation (default: the whole head)")
     parser.add_argument("--rotate-values", action="store_true", help="int4_saw: rotate values too")
     parser.add_argument("--allow-unsupported-model", action="store_true",
                         help="run a model outside the Qwen2/Qwen2.5/Llama-3 families")

@@ -251,11 +251,11 @@ def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, blo
     from s4kv.kernels.store import store_kv
 
     scheme = Int4Scheme.parse(options)
-    cache = torch.empty(cache_shape(block_table.numel(), NUM_KV_HEADS, S4KV_BLOCK_SIZE), dtype=torch.uint8,
+    cache = torch.empty(cache_shape(block_table.numel(), NUM_KV_HEADS, S4KV_BLOCK_SIZE, HEAD_DIM), dtype=torch.uint8,
                         device=problem.device)
     for key, value, slots in problem.chunks(block_table, S4KV_BLOCK_SIZE):
         store_kv(key, value, cache, slots, scheme)
-    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, problem.device)  # as our backend's builder does
+    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, problem.device)  # as our backend's builder does
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
     launch = None if code_path is None else dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
     return lambda: paged_attention(problem.query, cache, block_table, seq_lens, cu_q, 1, HEAD_DIM ** -0.5, scheme,
@@ -314,7 +314,7 @@ def bench_store(generator: torch.Generator) -> list[Timing]:
                        device="cuda")
     int4_k, int4_v = int4.split(68, dim=-1)
     int4_k_scale, int4_v_scale = int4.view(torch.float32)[..., 16], int4.view(torch.float32)[..., 33]
-    ours = torch.zeros(cache_shape(total_tokens // S4KV_BLOCK_SIZE, NUM_KV_HEADS, S4KV_BLOCK_SIZE),
+    ours = torch.zeros(cache_shape(total_tokens // S4KV_BLOCK_SIZE, NUM_KV_HEADS, S4KV_BLOCK_SIZE, HEAD_DIM),
                        dtype=torch.uint8, device="cuda")
     timings = []
     for tokens, contiguous in ((256, False), (8192, True)):

@@ -16,6 +16,7 @@ Must run in a process where TRITON_INTERPRET is unset (the interpreter replaces 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -85,10 +86,11 @@ def compile_only():
 
 
 def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_heads: int = 4) -> None:
-    """Every launch the backend makes, once per scheme, query dtype and code path (compile_only records them)."""
+    """Every launch the backend makes, once per head_dim, scheme, query dtype and code path (compile_only records
+    them)."""
     from s4kv.kernels import attention
     from s4kv.kernels.dense import gather_dense_kv
-    from s4kv.kernels.layout import HEAD_DIM, KIVI_BLOCK_SIZE, cache_shape
+    from s4kv.kernels.layout import KIVI_BLOCK_SIZE, SUPPORTED_HEAD_DIMS, cache_shape
     from s4kv.kernels.scheme import Int4Scheme
     from s4kv.kernels.store import store_kv
 
@@ -96,30 +98,30 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
     block_size, num_blocks, num_seqs = KIVI_BLOCK_SIZE, 8, 2
     block_table = torch.arange(num_seqs * 4, dtype=torch.int32).view(num_seqs, 4)
     seq_lens = torch.tensor([300, 17], dtype=torch.int32)
-    for scheme in (Int4Scheme("int4_kivi"), Int4Scheme("int4_saw"), Int4Scheme("int4_saw", 32, True)):
-        for dtype in dtypes:
-            cache = torch.zeros(cache_shape(num_blocks, num_kv_heads, block_size), dtype=torch.uint8)
-            kv = torch.zeros(5, num_kv_heads, HEAD_DIM, dtype=dtype)
-            store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme)
-            for code_path in attention.CODE_PATHS.values():
-                decode_launch = replace(attention.DECODE_LAUNCH[scheme.name], **code_path)
-                prefill_launch = replace(attention.PREFILL_LAUNCH, **code_path)
-                workspace = attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, "cpu")
-                q = torch.zeros(num_seqs, num_q_heads, HEAD_DIM, dtype=dtype)
-                decode_qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
-                for ws in (workspace, None):  # split-KV decode, and one program per sequence
-                    attention.paged_attention(q, cache, block_table, seq_lens, decode_qsl, 1, 0.1, scheme,
-                                              torch.empty_like(q), workspace=ws, launch=decode_launch)
-                q = torch.zeros(20, num_q_heads, HEAD_DIM, dtype=dtype)
-                prefill_qsl = torch.tensor([0, 3, 20], dtype=torch.int32)
-                attention.paged_attention(q, cache, block_table, seq_lens, prefill_qsl, 17, 0.1, scheme,
-                                          torch.empty_like(q), workspace=workspace, launch=prefill_launch)
-            dense = torch.empty(int(seq_lens.sum()), num_kv_heads, HEAD_DIM, dtype=dtype)
-            cu_k = torch.tensor([0, 300, 317], dtype=torch.int32)
-            gather_dense_kv(torch.zeros(20, num_kv_heads, HEAD_DIM, dtype=dtype),
-                            torch.zeros(20, num_kv_heads, HEAD_DIM, dtype=dtype), cache, block_table, seq_lens,
-                            torch.tensor([0, 3, 20], dtype=torch.int32), cu_k, 300, scheme, dense,
-                            torch.empty_like(dense))
+    schemes = (Int4Scheme("int4_kivi"), Int4Scheme("int4_saw"), Int4Scheme("int4_saw", 32, True))
+    for head_dim, scheme, dtype in itertools.product(SUPPORTED_HEAD_DIMS, schemes, dtypes):
+        cache = torch.zeros(cache_shape(num_blocks, num_kv_heads, block_size, head_dim), dtype=torch.uint8)
+        kv = torch.zeros(5, num_kv_heads, head_dim, dtype=dtype)
+        store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme)
+        for code_path in attention.CODE_PATHS.values():
+            decode_launch = replace(attention.DECODE_LAUNCH[scheme.name], **code_path)
+            prefill_launch = replace(attention.PREFILL_LAUNCH, **code_path)
+            workspace = attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cpu")
+            q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype)
+            decode_qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
+            for ws in (workspace, None):  # split-KV decode, and one program per sequence
+                attention.paged_attention(q, cache, block_table, seq_lens, decode_qsl, 1, 0.1, scheme,
+                                          torch.empty_like(q), workspace=ws, launch=decode_launch)
+            q = torch.zeros(20, num_q_heads, head_dim, dtype=dtype)
+            prefill_qsl = torch.tensor([0, 3, 20], dtype=torch.int32)
+            attention.paged_attention(q, cache, block_table, seq_lens, prefill_qsl, 17, 0.1, scheme,
+                                      torch.empty_like(q), workspace=workspace, launch=prefill_launch)
+        dense = torch.empty(int(seq_lens.sum()), num_kv_heads, head_dim, dtype=dtype)
+        cu_k = torch.tensor([0, 300, 317], dtype=torch.int32)
+        gather_dense_kv(torch.zeros(20, num_kv_heads, head_dim, dtype=dtype),
+                        torch.zeros(20, num_kv_heads, head_dim, dtype=dtype), cache, block_table, seq_lens,
+                        torch.tensor([0, 3, 20], dtype=torch.int32), cu_k, 300, scheme, dense,
+                        torch.empty_like(dense))
 
 
 def main() -> int:

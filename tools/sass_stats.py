@@ -34,13 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hopper_compile import compile_only  # noqa: E402
 
 from s4kv.kernels import attention  # noqa: E402
-from s4kv.kernels.layout import HEAD_DIM, KIVI_BLOCK_SIZE, cache_shape, tile_tokens  # noqa: E402
+from s4kv.kernels.layout import KIVI_BLOCK_SIZE, cache_shape, tile_tokens  # noqa: E402
 from s4kv.kernels.scheme import Int4Scheme  # noqa: E402
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 NVDISASM, CUOBJDUMP = NVIDIA_BIN / "nvdisasm", NVIDIA_BIN / "cuobjdump"
 HOPPER_REGS_PER_SM, HOPPER_SHARED_PER_SM, HOPPER_MAX_WARPS_PER_SM = 65536, 228 * 1024, 64
-GROUP, NUM_KV_HEADS = 7, 4  # Qwen2.5-7B: 28 query heads over 4 KV heads
+GROUP, NUM_KV_HEADS, HEAD_DIM = 7, 4, 128  # Qwen2.5-7B: 28 query heads over 4 KV heads of 128 channels
 
 # opcode classes that matter for the unpack-bound loop
 CLASSES = {
@@ -61,13 +61,13 @@ def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.Lau
     """The split-KV decode kernel (hopper_compile.Compiled) exactly as paged_attention launches it (block 128,
     GQA 7)."""
     num_q_heads, num_seqs = GROUP * NUM_KV_HEADS, 2
-    cache = torch.zeros(cache_shape(8, NUM_KV_HEADS, KIVI_BLOCK_SIZE), dtype=torch.uint8)
+    cache = torch.zeros(cache_shape(8, NUM_KV_HEADS, KIVI_BLOCK_SIZE, HEAD_DIM), dtype=torch.uint8)
     q = torch.zeros(num_seqs, num_q_heads, HEAD_DIM, dtype=dtype)
     with compile_only() as compiled:
         attention.paged_attention(
             q, cache, torch.zeros(num_seqs, 4, dtype=torch.int32), torch.ones(num_seqs, dtype=torch.int32),
             torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, scheme, torch.empty_like(q),
-            workspace=attention.SplitWorkspace.allocate(num_q_heads, NUM_KV_HEADS, "cpu"), launch=launch)
+            workspace=attention.SplitWorkspace.allocate(num_q_heads, NUM_KV_HEADS, HEAD_DIM, "cpu"), launch=launch)
     (kernel,) = [c for c in compiled if c.kernel == "_paged_attention_kernel"]
     return kernel
 

@@ -10,47 +10,60 @@ import torch
 from attention_oracle import causal_attention
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.layout import HEAD_DIM, PageLayout, cache_shape
+from s4kv.kernels.layout import SUPPORTED_HEAD_DIMS, PageLayout, cache_shape
 from s4kv.kernels.scheme import Int4Scheme
 
 NULL_BLOCK = 0  # never handed to a sequence: it stays poisoned, and block-table padding points at it
+HEAD_DIM = 128  # the helpers' default; tests parametrized over SUPPORTED_HEAD_DIMS pass their own
+
+
+def scheme_head_dims(schemes: dict[str, Int4Scheme]) -> list[tuple[str, int]]:
+    """(scheme name, head_dim) for every supported head_dim the scheme's Hadamard block divides (int4_saw's block
+    128 does not fit head_dim 64: that combination is refused, tests/kernels/test_reference.py)."""
+    return [(name, d) for name, scheme in schemes.items() for d in SUPPORTED_HEAD_DIMS
+            if scheme.hadamard_block is None or d % scheme.hadamard_block == 0]
 
 
 def entry_bytes(layout: PageLayout, region: str, entry: int) -> list[int]:
     """Region-relative byte addresses of one entry (a token, or a closed KIVI block's channel for k_params) of a
     page region, from docs/format.md: K codes token-major, V codes channel-major, params 4 bytes per entry."""
     start = getattr(layout, region)
+    half = layout.half_dim
     if region == "k_codes":
-        return [start + 64 * entry + j for j in range(64)]
+        return [start + half * entry + j for j in range(half)]
     if region == "v_codes":
-        return [start + j * layout.block_size + entry for j in range(64)]
+        return [start + j * layout.block_size + entry for j in range(half)]
     return [start + 4 * entry + j for j in range(4)]
 
 
-def poisoned_cache(num_blocks: int, num_kv_heads: int, block_size: int, gen: torch.Generator, device) -> torch.Tensor:
+def poisoned_cache(num_blocks: int, num_kv_heads: int, block_size: int, gen: torch.Generator, device,
+                   head_dim: int = HEAD_DIM) -> torch.Tensor:
     """A cache full of random bytes: whatever a kernel reads without writing it first is garbage (often NaN/inf)."""
-    shape = cache_shape(num_blocks, num_kv_heads, block_size)
+    shape = cache_shape(num_blocks, num_kv_heads, block_size, head_dim)
     return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8, device=gen.device).to(device)
 
 
 def with_guard_blocks(cache: torch.Tensor, gen: torch.Generator, num_blocks: int = 4) -> torch.Tensor:
     """The same cache as a view into a larger poisoned buffer: a kernel that reads past the last page (a bug the
     test is about to report) reads garbage instead of faulting and taking the whole test run down."""
-    guard = poisoned_cache(num_blocks, cache.shape[1], cache.shape[2] // 136, gen, cache.device)
+    guard = torch.randint(0, 256, (num_blocks, *cache.shape[1:]), generator=gen, dtype=torch.uint8,
+                          device=gen.device).to(cache.device)
     return torch.cat([cache, guard])[: cache.shape[0]]
 
 
-def random_keys(gen: torch.Generator, num_tokens: int, num_heads: int, dtype, device) -> torch.Tensor:
+def random_keys(gen: torch.Generator, num_tokens: int, num_heads: int, dtype, device,
+                head_dim: int = HEAD_DIM) -> torch.Tensor:
     """Keys shaped like a real model's: a few channels with large magnitude and an offset (KIVI's motivation)."""
-    x = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen, device=gen.device)
-    outlier = torch.rand(num_heads, HEAD_DIM, generator=gen, device=gen.device) < 0.06
+    x = torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=gen.device)
+    outlier = torch.rand(num_heads, head_dim, generator=gen, device=gen.device) < 0.06
     scale = 1.0 + 5.0 * outlier
-    offset = 2.0 * outlier * torch.randn(num_heads, HEAD_DIM, generator=gen, device=gen.device)
+    offset = 2.0 * outlier * torch.randn(num_heads, head_dim, generator=gen, device=gen.device)
     return (x * scale + offset).to(device=device, dtype=dtype)
 
 
-def random_values(gen: torch.Generator, num_tokens: int, num_heads: int, dtype, device) -> torch.Tensor:
-    return torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen, device=gen.device).to(device=device, dtype=dtype)
+def random_values(gen: torch.Generator, num_tokens: int, num_heads: int, dtype, device,
+                  head_dim: int = HEAD_DIM) -> torch.Tensor:
+    return torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=gen.device).to(device=device, dtype=dtype)
 
 
 @dataclass
@@ -68,13 +81,13 @@ class PagedBatch:
     seq_lens: torch.Tensor  # int32 [S]
     query_start_loc: torch.Tensor  # int32 [S + 1]
     max_query_len: int
-    seq_keys: list[torch.Tensor]  # per sequence, all its keys [seq_len, Hkv, 128]
+    seq_keys: list[torch.Tensor]  # per sequence, all its keys [seq_len, Hkv, head_dim]
     seq_values: list[torch.Tensor]
-    query: torch.Tensor  # [T, Hq, 128]
-    key: torch.Tensor  # [T + padding, Hkv, 128]
+    query: torch.Tensor  # [T, Hq, head_dim]
+    key: torch.Tensor  # [T + padding, Hkv, head_dim]
     value: torch.Tensor
     slot_mapping: torch.Tensor  # int64 [T + padding]
-    prefix_key: torch.Tensor  # the cached prefixes of all sequences, [P, Hkv, 128]
+    prefix_key: torch.Tensor  # the cached prefixes of all sequences, [P, Hkv, head_dim]
     prefix_value: torch.Tensor
     prefix_slots: torch.Tensor  # int64 [P]
 
@@ -85,6 +98,10 @@ class PagedBatch:
     @property
     def num_kv_heads(self) -> int:
         return self.key.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key.shape[2]
 
 
 def make_paged_batch(
@@ -97,6 +114,7 @@ def make_paged_batch(
     device,
     spare_blocks: int = 2,
     num_padding: int = 0,
+    head_dim: int = HEAD_DIM,
 ) -> PagedBatch:
     """Random data and a shuffled block table for ``specs`` = [(context, q_len), ...]."""
     if num_q_heads % num_kv_heads:
@@ -114,9 +132,9 @@ def make_paged_batch(
         positions = torch.arange(start, stop)
         return block_table[seq].long()[positions // block_size] * block_size + positions % block_size
 
-    seq_keys = [random_keys(gen, n, num_kv_heads, dtype, device) for n in seq_lens]
-    seq_values = [random_values(gen, n, num_kv_heads, dtype, device) for n in seq_lens]
-    nan_rows = torch.full((num_padding, num_kv_heads, HEAD_DIM), float("nan"), dtype=dtype, device=device)
+    seq_keys = [random_keys(gen, n, num_kv_heads, dtype, device, head_dim) for n in seq_lens]
+    seq_values = [random_values(gen, n, num_kv_heads, dtype, device, head_dim) for n in seq_lens]
+    nan_rows = torch.full((num_padding, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
     q_lens = [q_len for _, q_len in specs]
     return PagedBatch(
         specs=list(specs),
@@ -128,7 +146,7 @@ def make_paged_batch(
         max_query_len=max(q_lens),
         seq_keys=seq_keys,
         seq_values=seq_values,
-        query=torch.randn(sum(q_lens), num_q_heads, HEAD_DIM, generator=gen, device=gen.device).to(device, dtype),
+        query=torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen, device=gen.device).to(device, dtype),
         key=torch.cat([k[c:] for k, (c, _) in zip(seq_keys, specs)] + [nan_rows]),
         value=torch.cat([v[c:] for v, (c, _) in zip(seq_values, specs)] + [nan_rows]),
         slot_mapping=torch.cat([slots(i, c, c + q) for i, (c, q) in enumerate(specs)]
@@ -141,7 +159,7 @@ def make_paged_batch(
 
 def cache_with_prefix(batch: PagedBatch, scheme: Int4Scheme, gen: torch.Generator, device) -> torch.Tensor:
     """A poisoned cache holding every sequence's cached prefix, written by the reference in one prefill."""
-    cache = poisoned_cache(batch.num_blocks, batch.num_kv_heads, batch.block_size, gen, device)
+    cache = poisoned_cache(batch.num_blocks, batch.num_kv_heads, batch.block_size, gen, device, batch.head_dim)
     if batch.prefix_slots.numel():
         ref.store_kv(batch.prefix_key, batch.prefix_value, cache, batch.prefix_slots, scheme)
     return cache
@@ -162,14 +180,15 @@ def written_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int, 
     return tokens, closed.clone()
 
 
-def written_byte_mask(slot_mapping: torch.Tensor, kv_cache: torch.Tensor, scheme: Int4Scheme) -> torch.Tensor:
+def written_byte_mask(slot_mapping: torch.Tensor, kv_cache: torch.Tensor, scheme: Int4Scheme,
+                      head_dim: int) -> torch.Tensor:
     """bool [num_blocks, 1, page_bytes]: the bytes a store of ``slot_mapping`` may change (same for every KV head).
 
     Computed from the byte layout in docs/format.md (kernels/layout.py), not from the reference's page views.
     """
     num_blocks, _, page = kv_cache.shape
-    bsz = page // 136
-    lay = PageLayout(bsz)
+    lay = PageLayout.of_cache(kv_cache, head_dim)
+    bsz = lay.block_size
     tokens, closed = written_slots(slot_mapping, num_blocks, bsz, scheme)
     mask = torch.zeros(num_blocks, 1, page, dtype=torch.bool)
     for blk, off in tokens.nonzero().tolist():
@@ -181,28 +200,30 @@ def written_byte_mask(slot_mapping: torch.Tensor, kv_cache: torch.Tensor, scheme
 
 
 def assert_caches_match(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor,
-                        slot_mapping: torch.Tensor, scheme: Int4Scheme, max_code_mismatch: float = 0.01) -> None:
+                        slot_mapping: torch.Tensor, scheme: Int4Scheme, max_code_mismatch: float = 0.01,
+                        head_dim: int = HEAD_DIM) -> None:
     """``actual`` (a kernel's store) against ``expected`` (the reference's), both started from ``before``.
 
     Outside the written slots no byte may change. Inside, codes may differ by +-1 on a small fraction (x/scale
     landing on .5 under a different rounding of the rotation), params must agree to fp16 precision.
     """
-    mask = written_byte_mask(slot_mapping, before, scheme).expand_as(before)
+    mask = written_byte_mask(slot_mapping, before, scheme, head_dim).expand_as(before)
     changed = (actual != before) & ~mask
     if changed.any():
         blk, head, byte = changed.nonzero()[0].tolist()
         raise AssertionError(f"{int(changed.sum())} bytes outside the written slots changed, first at block {blk} "
-                             f"head {head} byte {byte} ({PageLayout(before.shape[2] // 136)})")
+                             f"head {head} byte {byte} ({PageLayout.of_cache(before, head_dim)})")
     assert torch.equal(expected[~mask], before[~mask]), "the reference wrote outside its slots"
 
     num_blocks, num_heads, page = before.shape
-    tokens, closed = (m.to(before.device) for m in written_slots(slot_mapping, num_blocks, page // 136, scheme))
+    block_size = PageLayout.of_cache(before, head_dim).block_size
+    tokens, closed = (m.to(before.device) for m in written_slots(slot_mapping, num_blocks, block_size, scheme))
     keys = tokens | closed[:, None]
-    got, want = ref.PageViews(actual), ref.PageViews(expected)
+    got, want = ref.PageViews(actual, head_dim), ref.PageViews(expected, head_dim)
     for name, rows in (("k_codes", keys), ("v_codes", tokens)):
         a = ref.unpack_nibbles(getattr(got, name)).int()
         b = ref.unpack_nibbles(getattr(want, name)).int()
-        diff = (a - b).transpose(1, 2)[rows]  # [written rows, heads, 128]
+        diff = (a - b).transpose(1, 2)[rows]  # [written rows, heads, head_dim]
         if diff.numel() == 0:
             continue
         worst = int(diff.abs().max())
@@ -219,7 +240,7 @@ def assert_caches_match(actual: torch.Tensor, expected: torch.Tensor, before: to
 
 
 def dense_reference(batch: PagedBatch, cache: torch.Tensor, scheme: Int4Scheme, seqs) -> tuple[list, list]:
-    """What the dense prefill gather must produce for the sequences ``seqs``, float32 [seq_len, Hkv, 128] each:
+    """What the dense prefill gather must produce for the sequences ``seqs``, float32 [seq_len, Hkv, D] each:
     the cached prefix as the reference reads it (block states as of seq_len, the store having run), then the
     fresh rows of batch.key / batch.value."""
     ks, vs = [], []
@@ -228,7 +249,7 @@ def dense_reference(batch: PagedBatch, cache: torch.Tensor, scheme: Int4Scheme, 
         seq_len = int(batch.seq_lens[i])
         fresh = slice(starts[i], starts[i + 1])
         prefix = seq_len - (starts[i + 1] - starts[i])
-        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], seq_len, scheme)
+        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], seq_len, scheme, batch.head_dim)
         ks.append(torch.cat([k_hat[:prefix], batch.key[fresh].float()]))
         vs.append(torch.cat([v_hat[:prefix], batch.value[fresh].float()]))
     return ks, vs

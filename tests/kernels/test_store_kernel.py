@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_batches import assert_caches_match, cache_with_prefix, make_paged_batch, poisoned_cache, random_keys
+from kv_batches import (HEAD_DIM, assert_caches_match, cache_with_prefix, make_paged_batch, poisoned_cache,
+                        random_keys, scheme_head_dims)
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.layout import HEAD_DIM
+from s4kv.kernels.layout import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
 
@@ -41,14 +42,15 @@ def store_both(batch, scheme, gen, device):
 
 
 @pytest.mark.parametrize("batch_name", list(BATCHES))
-@pytest.mark.parametrize("scheme_name", list(SCHEMES))
-def test_store_kernel_matches_reference(gen, kernel_device, scheme_name, batch_name):
+@pytest.mark.parametrize("scheme_name,head_dim", scheme_head_dims(SCHEMES))
+def test_store_kernel_matches_reference(gen, kernel_device, scheme_name, head_dim, batch_name):
     scheme = SCHEMES[scheme_name]
     num_kv_heads = {"mixed": 2, "decode": 3, "prefill": 1}[batch_name]
     batch = make_paged_batch(gen, BATCHES[batch_name], num_q_heads=num_kv_heads, num_kv_heads=num_kv_heads,
-                             block_size=128, dtype=torch.float16, device=kernel_device, num_padding=3)
+                             block_size=128, dtype=torch.float16, device=kernel_device, num_padding=3,
+                             head_dim=head_dim)
     actual, expected, before = store_both(batch, scheme, gen, kernel_device)
-    assert_caches_match(actual, expected, before, batch.slot_mapping, scheme)
+    assert_caches_match(actual, expected, before, batch.slot_mapping, scheme, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("scheme_name", ["saw128", "saw32-rotv"])
@@ -61,11 +63,12 @@ def test_store_kernel_small_pages(gen, kernel_device, scheme_name):
     assert_caches_match(actual, expected, before, batch.slot_mapping, scheme)
 
 
-def test_store_kernel_kivi_decode_steps_close_a_block(gen, kernel_device):
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_store_kernel_kivi_decode_steps_close_a_block(gen, kernel_device, head_dim):
     """Decode steps across a block edge, each from the reference's state: staging, the close, the next block."""
     scheme = SCHEMES["kivi"]
     batch = make_paged_batch(gen, [(124, 8), (250, 8)], num_q_heads=2, num_kv_heads=2, block_size=128,
-                             dtype=torch.float16, device=kernel_device)
+                             dtype=torch.float16, device=kernel_device, head_dim=head_dim)
     state = cache_with_prefix(batch, scheme, gen, kernel_device)
     for step in range(8):
         rows = torch.tensor([step, 8 + step])  # one new token per sequence, as vLLM schedules a decode
@@ -74,7 +77,7 @@ def test_store_kernel_kivi_decode_steps_close_a_block(gen, kernel_device):
         store_kv(key, value, actual, slots, scheme)
         expected = state.clone()
         ref.store_kv(key, value, expected, slots, scheme)
-        assert_caches_match(actual, expected, state, slots, scheme)
+        assert_caches_match(actual, expected, state, slots, scheme, head_dim=head_dim)
         state = expected
 
 
@@ -110,7 +113,7 @@ def test_store_kernel_marks_nonfinite_tokens_with_a_nan_scale(gen, kernel_device
     store_kv(key, value, actual, slots, scheme)
     ref.store_kv(key, value, expected, slots, scheme)
     assert_caches_match(actual, expected, before, slots, scheme)
-    pages = ref.PageViews(actual)
+    pages = ref.PageViews(actual, HEAD_DIM)
     assert torch.isnan(pages.k_params[0, 0, 6, 0]) and torch.isfinite(pages.k_params[0, 1, 6, 0])
     assert torch.isnan(pages.v_params[2, 1, 45, 0]) and torch.isfinite(pages.v_params[2, 0, 45, 0])
 
@@ -128,9 +131,16 @@ def test_store_kernel_all_padding_changes_nothing(gen, kernel_device):
 def test_bad_inputs_get_clear_errors(kernel_device):
     cache = torch.zeros(3, 2, 64 * 136, dtype=torch.uint8, device=kernel_device)
     slots = torch.zeros(1, dtype=torch.long, device=kernel_device)
-    key = torch.zeros(1, 2, 64, dtype=torch.float16, device=kernel_device)
-    with pytest.raises(ValueError, match=r"\[T, Hkv, 128\]"):
-        store_kv(key, key, cache, slots, SCHEMES["saw128"])
+    for head_dim, error in ((96, "support head_dim 64 and 128, got 96"),
+                            (64, r"must be \[blocks, kv_heads, block_size \* 72\] for head_dim 64")):
+        key = torch.zeros(1, 2, head_dim, dtype=torch.float16, device=kernel_device)
+        with pytest.raises(ValueError, match=error):
+            store_kv(key, key, cache, slots, SCHEMES["saw32"])
     key = torch.zeros(1, 2, HEAD_DIM, dtype=torch.float16, device=kernel_device)
     with pytest.raises(ValueError, match="int4_kivi needs block_size 128"):
         store_kv(key, key, cache, slots, SCHEMES["kivi"])
+    with pytest.raises(ValueError, match=r"key/value must be \[T, Hkv, head_dim\]"):
+        store_kv(key, key[..., :64], cache, slots, SCHEMES["kivi"])
+    cache64 = torch.zeros(3, 2, 128 * 72, dtype=torch.uint8, device=kernel_device)
+    with pytest.raises(ValueError, match="hadamard_block 128 does not divide head_dim 64"):
+        store_kv(key[..., :64], key[..., :64], cache64, slots, SCHEMES["saw128"])
