@@ -66,7 +66,7 @@ def _gather_dense_kernel(
         k_bytes = tl.load(cache_u8_ptr + page + offset[:, None] * HALF + ch[None, :], mask=cached[:, None], other=0)
         k_lo = (k_bytes & 15).to(tl.float32)
         k_hi = (k_bytes >> 4).to(tl.float32)
-        k_params = (page + (4 * HALF + 4) * BLOCK_SIZE) // 2  # layout.py: (D + 4) * B
+        k_params = (page + (2 * HALF + 4) * BLOCK_SIZE) // 2  # layout.py: (D + 4) * B
         if IS_KIVI:
             if kivi_block_is_per_channel(cache_f16_ptr, k_params, logical_block, seq_len, BLOCK_SIZE):
                 k_lo, k_hi = _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params, HALF)

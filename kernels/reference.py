@@ -22,6 +22,7 @@ import torch
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout
 from .scheme import Int4Scheme
+from .staging import check_staging
 
 QMAX = 15
 EPS = 2.0**-14  # smallest normal fp16: a constant vector keeps a representable, positive scale
@@ -95,13 +96,22 @@ class PageViews:
 # ---------------------------------------------------------------------------------------------------------------
 # store
 # ---------------------------------------------------------------------------------------------------------------
-def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme) -> None:
-    """Quantize key/value [T, Hkv, D] into their slots; slot < 0 marks padding and is skipped."""
-    pages = PageViews(kv_cache, key.shape[-1])
+def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme, staged_keys=None, staging_slots=None) -> None:
+    """Quantize key/value [T, Hkv, D] into their slots; slot < 0 marks padding and is skipped.
+
+    int4_kivi with ``staged_keys`` (the layer's staging pool, kernels/staging.py) and ``staging_slots`` (per token,
+    the pool slot of its block): every block whose last slot this batch writes is closed per channel from its
+    original keys, the earlier ones read back from the pool, and the keys of blocks still open afterwards are
+    copied into it. Without a pool, a block filled over several batches closes flagged, keeping its staged keys.
+    """
+    head_dim = key.shape[-1]
+    pages = PageViews(kv_cache, head_dim)
     bsz = pages.block_size
     if scheme.is_kivi and bsz != KIVI_BLOCK_SIZE:
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {bsz}")
-    rot = scheme.rotation(key.shape[-1], key.device)
+    if (staged_keys is None) != (staging_slots is None) or (staged_keys is not None and not scheme.is_kivi):
+        raise ValueError("staged_keys and staging_slots go together, and only with int4_kivi")
+    rot = scheme.rotation(head_dim, key.device)
     slots = slot_mapping.long()
     live = (slots >= 0).nonzero().squeeze(1)
     blk, off = slots[live] // bsz, slots[live] % bsz
@@ -113,28 +123,75 @@ def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme) -> None:
         codes, scale, minimum = quantize_per_token(x)
         codes_view[blk, :, off] = pack_nibbles(codes)
         params_view[blk, :, off] = torch.stack([scale, minimum], -1)
-    if scheme.is_kivi:
+    if not scheme.is_kivi:
+        return
+    if staged_keys is None:
         _close_kivi_blocks(key, slots, pages)
+        return
+    check_staging(staged_keys, staging_slots, key, bsz)
+    staging_slots = staging_slots.long()
+    # the closes read the pool before this batch's open-block keys are copied in (a sequence keeps one slot, which
+    # a chunk may both close from and refill)
+    for i in closing_rows(slots, bsz).tolist():
+        fresh = rows_in_batch(slots, i, bsz)
+        src = torch.arange(i - bsz + 1, i + 1, device=slots.device).clamp(min=0)
+        staged = fresh.logical_not().any()
+        if staged and staging_slots[i] < 0:
+            raise ValueError(f"token {i} closes a block begun in an earlier batch but has no staging slot")
+        originals = key[src]
+        if staged:
+            originals = torch.where(fresh[:, None, None], originals, staged_keys[staging_slots[i]].transpose(0, 1))
+        _write_per_channel(pages, int(slots[i]) // bsz, originals)
+    stays_open = live[~closes_in_batch(slots, live, bsz)]
+    if (staging_slots[stays_open] < 0).any():
+        raise ValueError("a token of a block that stays open has no staging slot")
+    o = slots[stays_open] % bsz
+    staged_keys[staging_slots[stays_open], :, o] = key[stays_open].to(staged_keys.dtype)
+
+
+def closing_rows(slots: torch.Tensor, bsz: int) -> torch.Tensor:
+    """Rows of the batch that write their block's last slot."""
+    return ((slots % bsz == bsz - 1) & (slots >= 0)).nonzero().squeeze(1)
+
+
+def rows_in_batch(slots: torch.Tensor, i: int, bsz: int) -> torch.Tensor:
+    """bool [bsz]: which of the block's slots the batch writes itself, for row i writing its last slot. A
+    sequence's rows are contiguous with consecutive slots, so slot o of the block is row i - (bsz - 1) + o."""
+    src = torch.arange(i - bsz + 1, i + 1, device=slots.device)
+    expected = slots[i] - (bsz - 1) + torch.arange(bsz, device=slots.device)
+    return (src >= 0) & (slots[src.clamp(min=0)] == expected)
+
+
+def closes_in_batch(slots: torch.Tensor, rows: torch.Tensor, bsz: int) -> torch.Tensor:
+    """bool per row of ``rows``: the batch also writes the last slot of the row's block (the row bsz - 1 - offset
+    further on holds it)."""
+    last = rows + (bsz - 1) - slots[rows] % bsz
+    inside = last < slots.shape[0]
+    return inside & (slots[last.clamp(max=slots.shape[0] - 1)] == slots[rows] - slots[rows] % bsz + bsz - 1)
+
+
+def _write_per_channel(pages: PageViews, blk: int, originals: torch.Tensor) -> None:
+    """Quantize a block's 128 original keys [B, Hkv, D] per channel into its K codes and K params."""
+    head_dim = originals.shape[-1]
+    for h in range(originals.shape[1]):
+        codes, scale, minimum = quantize_per_channel(originals[:, h].float())
+        pages.k_codes[blk, h] = pack_nibbles(codes)
+        # a clear sign bit says "per channel", also for a NaN scale (a broken input); below head_dim 128 the
+        # channels' params fill the first head_dim entries and the rest is cleared, so the closed block's
+        # bytes depend on its keys alone
+        pages.k_params[blk, h] = 0
+        pages.k_params[blk, h, :head_dim] = torch.stack([scale.abs(), minimum], -1)
 
 
 def _close_kivi_blocks(key, slots, pages: PageViews) -> None:
     bsz = pages.block_size
-    for i in (slots % bsz == bsz - 1).logical_and(slots >= 0).nonzero().squeeze(1).tolist():
+    for i in closing_rows(slots, bsz).tolist():
         blk = int(slots[i]) // bsz
-        src = torch.arange(i - bsz + 1, i + 1, device=slots.device)
-        expected_slot = slots[i] - (bsz - 1) + torch.arange(bsz, device=slots.device)
-        if not ((src >= 0) & (slots[src.clamp(min=0)] == expected_slot)).all():
+        if not rows_in_batch(slots, i, bsz).all():
             # some keys exist only as staged codes: keep the block staged, flagged in token 0's key scale
             pages.k_params[blk, :, 0, 0] = -pages.k_params[blk, :, 0, 0].abs()
             continue
-        for h in range(key.shape[1]):
-            codes, scale, minimum = quantize_per_channel(key[src, h].float())
-            pages.k_codes[blk, h] = pack_nibbles(codes)
-            # a clear sign bit says "per channel", also for a NaN scale (a broken input); below head_dim 128 the
-            # channels' params fill the first head_dim entries and the rest is cleared, so the closed block's
-            # bytes depend on its keys alone
-            pages.k_params[blk, h] = 0
-            pages.k_params[blk, h, : key.shape[-1]] = torch.stack([scale.abs(), minimum], -1)
+        _write_per_channel(pages, blk, key[i - bsz + 1 : i + 1])
 
 
 def staged_flags(k_params: torch.Tensor) -> torch.Tensor:

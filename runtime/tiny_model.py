@@ -1,10 +1,12 @@
 """A tiny chat model built offline: BPE tokenizer (``tokenizers``), a 2-layer Llama-3-shaped transformer with
-head_dim 128, trained for a few hundred steps on CPU to memorize short question/answer pairs.
+head_dim 128 (or 64), trained for a few hundred steps on CPU to memorize short question/answer pairs.
 
 Why trained and not random: a memorizing model answers with large logit margins, so greedy output is a meaningful
 yardstick (int4 KV must reproduce the bf16 answer), and the offline demo prints a readable answer.
 The same weights are written as a Llama-3-shaped folder (rope_theta 5e5, the Llama-3 hallmark S4 KV's family check
-uses) and as a Qwen2-shaped folder (zero q/k/v biases, so both compute the same function).
+uses) and as a Qwen2-shaped folder (zero q/k/v biases, so both compute the same function). The head_dim-64 model
+(4 query / 2 KV heads of 64 channels, the head size of Llama-3.2-1B, Qwen2.5-0.5B and SmolLM2) is written as a
+Llama-3-shaped folder only.
 Used by ``tools/make_tiny_model.py``, ``s4kv demo`` and the tests; the result is committed under ``models/``.
 """
 
@@ -33,6 +35,7 @@ EOS = "</s>"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 QWEN2 = "tiny-qwen2"
 LLAMA3 = "tiny-llama3"
+LLAMA3_HEAD64 = "tiny-llama3-d64"
 # The speculative decoding that the engine tests run on these models (a kind "<scheme>+ngram"): n-gram drafts need
 # no draft model, and the repeated turns of the long test prompts give the proposer matches.
 SPECULATIVE_SUFFIX = "+ngram"
@@ -42,13 +45,25 @@ NGRAM_DRAFTS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_m
 @dataclass(frozen=True)
 class TinyShape:
     hidden_size: int = 256
-    num_attention_heads: int = 2  # head_dim 128 = hidden_size / heads, the only head size S4 KV supports
+    num_attention_heads: int = 2  # head_dim = hidden_size / heads: 128 here, 64 in HEAD64_SHAPE
     num_key_value_heads: int = 1
     intermediate_size: int = 256
     num_hidden_layers: int = 2
     rope_theta: float = 500000.0
     max_position_embeddings: int = 1024
     vocab_size: int = 384
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+HEAD64_SHAPE = TinyShape(num_attention_heads=4, num_key_value_heads=2)
+# head_dim -> (shape, the folders written: (name, architecture, model_type))
+FLAVOURS = {
+    128: (TinyShape(), ((LLAMA3, "LlamaForCausalLM", "llama"), (QWEN2, "Qwen2ForCausalLM", "qwen2"))),
+    64: (HEAD64_SHAPE, ((LLAMA3_HEAD64, "LlamaForCausalLM", "llama"),)),
+}
 
 
 def chat_text(question: str, answer: str | None = None) -> str:
@@ -122,7 +137,7 @@ def _hf_fields(shape: TinyShape, tok) -> dict:
         num_hidden_layers=shape.num_hidden_layers,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.hidden_size // shape.num_attention_heads,
+        head_dim=shape.head_dim,
         max_position_embeddings=shape.max_position_embeddings,
         rope_theta=shape.rope_theta,
         rms_norm_eps=1e-6,
@@ -132,8 +147,9 @@ def _hf_fields(shape: TinyShape, tok) -> dict:
     )
 
 
-def write_model_dirs(model, tok, shape: TinyShape, out_dir: str) -> list[str]:
-    """Write the Llama-3-shaped and the Qwen2-shaped folder (bf16 safetensors, tokenizer, chat template)."""
+def write_model_dirs(model, tok, shape: TinyShape, out_dir: str, folders) -> list[str]:
+    """Write the model folders ``(name, architecture, model_type)``: Llama-3- or Qwen2-shaped (bf16 safetensors,
+    tokenizer, chat template)."""
     import torch
     from safetensors.torch import save_file
 
@@ -141,14 +157,14 @@ def write_model_dirs(model, tok, shape: TinyShape, out_dir: str) -> list[str]:
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != tied}
     fields = _hf_fields(shape, tok)
     written = []
-    for name, architecture, model_type in ((LLAMA3, "LlamaForCausalLM", "llama"), (QWEN2, "Qwen2ForCausalLM", "qwen2")):
+    for name, architecture, model_type in folders:
         path = os.path.join(out_dir, name)
         os.makedirs(path, exist_ok=True)
         weights = dict(state)
         config = dict(fields, architectures=[architecture], model_type=model_type, torch_dtype="bfloat16",
                       hidden_act="silu", initializer_range=0.02, use_cache=True)
         if model_type == "qwen2":
-            config.pop("head_dim")  # vLLM's Qwen2 derives it: hidden_size / num_attention_heads = 128
+            config.pop("head_dim")  # vLLM's Qwen2 derives it: hidden_size / num_attention_heads
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=shape.num_hidden_layers)
             for layer in range(shape.num_hidden_layers):
                 kv_width = shape.num_key_value_heads * fields["head_dim"]
@@ -176,12 +192,12 @@ def _write_json(path: str, data: dict) -> None:
         handle.write("\n")
 
 
-def build(out_dir: str, steps: int = 400, log=print) -> list[str]:
-    """Tokenizer + training + both model folders under out_dir; returns their paths."""
-    shape = TinyShape()
+def build(out_dir: str, steps: int = 400, log=print, head_dim: int = 128) -> list[str]:
+    """Tokenizer + training + the model folders of this head_dim (FLAVOURS) under out_dir; returns their paths."""
+    shape, folders = FLAVOURS[head_dim]
     tok = build_tokenizer(shape)
     model = train(shape, tok, steps=steps, log=log)
-    return write_model_dirs(model, tok, shape, out_dir)
+    return write_model_dirs(model, tok, shape, out_dir, folders)
 
 
 def bundled_model_dir(name: str = QWEN2) -> str:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Build the tiny offline models (models/tiny-qwen2, models/tiny-llama3): a BPE tokenizer made with `tokenizers`,
-head_dim 128, weights trained on CPU to memorize short question/answer pairs (runtime/tiny_model.py says why).
+"""Build the tiny offline models (models/tiny-qwen2 and models/tiny-llama3 at head_dim 128, models/tiny-llama3-d64 at
+head_dim 64): a BPE tokenizer made with `tokenizers`, weights trained on CPU to memorize short question/answer pairs
+(runtime/tiny_model.py says why).
 
-usage: python tools/make_tiny_model.py [OUT_DIR] [--steps N]     (default OUT_DIR: models/ of this repository)
+usage: python tools/make_tiny_model.py [OUT_DIR] [--steps N] [--head-dim 128|64]   (default OUT_DIR: models/)
 Takes about 10 minutes on 2 CPU cores; the result is committed, so the demo and the tests never train.
 """
 
@@ -19,8 +20,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", default=os.path.join(REPO, "models"))
     parser.add_argument("--steps", type=int, default=500, help="training steps (batch 8 x 256 tokens)")
+    parser.add_argument("--head-dim", type=int, choices=(128, 64), default=128,
+                        help="128: tiny-llama3 and tiny-qwen2; 64: tiny-llama3-d64")
     args = parser.parse_args()
-    for path in build(args.out_dir, steps=args.steps):
+    for path in build(args.out_dir, steps=args.steps, head_dim=args.head_dim):
         print(path)
     return 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import gzip
 import json
 import subprocess
@@ -92,10 +94,21 @@ def test_tensor_parallel_only_when_weights_do_not_fit_one_gpu():
         capacity.plan(llama70, catalog.instance_type("g6.xlarge"), "int4_kivi", 8192)
 
 
-def test_int4_schemes_need_head_dim_128():
-    with pytest.raises(capacity.DoesNotFit, match="head_dim 128"):
-        capacity.plan(model_shapes.load("Qwen/Qwen2.5-0.5B-Instruct"), catalog.instance_type("g6.xlarge"), "int4_saw")
-    assert capacity.plan(model_shapes.load("Qwen/Qwen2.5-0.5B-Instruct"), catalog.instance_type("g6.xlarge"), "bf16")
+def test_int4_schemes_take_head_dim_64_at_its_own_bytes_per_token():
+    small = model_shapes.load("Qwen/Qwen2.5-0.5B-Instruct")  # 24 layers x 2 KV heads, head_dim 64
+    assert small.head_dim == 64
+    plan = capacity.plan(small, catalog.instance_type("g6.xlarge"), "int4_saw", 8192)
+    assert {r.kv_format: r.bytes_per_token for r in plan.capacity} == {
+        "bf16": 24 * 2 * 256, "fp8": 24 * 2 * 128, "int4": 24 * 2 * 72}
+    ratio = plan.for_format("int4").tokens_per_replica / plan.for_format("bf16").tokens_per_replica
+    assert ratio == pytest.approx(256 / 72, rel=0.01)  # 3.56x, whole pages aside
+
+
+def test_int4_schemes_refuse_other_head_dims():
+    odd = dataclasses.replace(model_shapes.load("Qwen/Qwen2.5-7B-Instruct"), name="odd", head_dim=96)
+    with pytest.raises(capacity.DoesNotFit, match="need head_dim 64 or 128, the model has 96"):
+        capacity.plan(odd, catalog.instance_type("g6.xlarge"), "int4_saw")
+    assert capacity.plan(odd, catalog.instance_type("g6.xlarge"), "bf16")
 
 
 def test_capacity_command_offline_without_torch_or_vllm():

@@ -11,10 +11,11 @@ import dataclasses
 
 import pytest
 import torch
-from kv_batches import cache_with_prefix, make_paged_batch, relative_error, with_guard_blocks
+from kv_batches import cache_with_prefix, make_paged_batch, relative_error, scheme_head_dims, with_guard_blocks
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SplitWorkspace, paged_attention
+from s4kv.kernels.layout import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
 
@@ -69,47 +70,51 @@ def assert_attention_close(out, expected, what: str) -> None:
 
 
 @pytest.mark.parametrize("group", [1, 4, 7])
-@pytest.mark.parametrize("scheme_name", list(SCHEMES))
-def test_mixed_prefill_and_decode_batch(gen, kernel_device, scheme_name, group):
+@pytest.mark.parametrize("scheme_name,head_dim", scheme_head_dims(SCHEMES))
+def test_mixed_prefill_and_decode_batch(gen, kernel_device, scheme_name, head_dim, group):
     scheme = SCHEMES[scheme_name]
     num_q_heads, num_kv_heads = heads_for(group)
     batch = make_paged_batch(gen, MIXED, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
-                             device=kernel_device, num_padding=2)
+                             device=kernel_device, num_padding=2, head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     kernel_cache = cache.clone()
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
     expected = run_reference(batch, cache, scheme)
-    assert_attention_close(run_kernel(batch, cache, scheme), expected, f"{scheme_name} GQA {group}")
+    what = f"{scheme_name} GQA {group} head_dim {head_dim}"
+    assert_attention_close(run_kernel(batch, cache, scheme), expected, what)
     # the whole kernel path: the kernel's own store, then attention (rare +-1 codes move the output a little)
     store_kv(batch.key, batch.value, kernel_cache, batch.slot_mapping, scheme)
-    assert_attention_close(run_kernel(batch, kernel_cache, scheme), expected, f"{scheme_name} GQA {group}, kernel store")
+    assert_attention_close(run_kernel(batch, kernel_cache, scheme), expected, f"{what}, kernel store")
 
 
 @pytest.mark.parametrize(
-    "scheme_name, group, target_programs",
+    "scheme_name, group, target_programs, head_dim",
     [
-        ("kivi", 1, None), ("kivi", 4, 32), ("kivi", 7, 64),
-        ("saw128", 1, 64), ("saw128", 4, None), ("saw128", 7, 32),
-        ("saw64-rotv", 4, 64), ("saw32", 7, None), ("saw128-rotv", 1, 32),
+        ("kivi", 1, None, 128), ("kivi", 4, 32, 128), ("kivi", 7, 64, 128),
+        ("saw128", 1, 64, 128), ("saw128", 4, None, 128), ("saw128", 7, 32, 128),
+        ("saw64-rotv", 4, 64, 128), ("saw32", 7, None, 128), ("saw128-rotv", 1, 32, 128),
+        ("kivi", 1, None, 64), ("kivi", 7, 32, 64), ("saw64-rotv", 4, 64, 64), ("saw32", 1, 32, 64),
     ],
 )
-def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, scheme_name, group, target_programs):
+def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, scheme_name, group, target_programs,
+                                                       head_dim):
     """max_query_len 1. target_programs None: no workspace (one pass); 32: 4-8 splits; 64: 8-16 (some empty)."""
     scheme = SCHEMES[scheme_name]
     num_q_heads, num_kv_heads = heads_for(group)
     batch = make_paged_batch(gen, DECODE, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
-                             device=kernel_device, num_padding=1)
+                             device=kernel_device, num_padding=1, head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
     workspace = None
     if target_programs is not None:
-        workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, kernel_device, target_programs=target_programs)
+        workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
+                                            target_programs=target_programs)
         assert workspace.num_splits(len(DECODE)) > 1, "the case is meant to split the context"
         workspace.part_acc.fill_(float("nan"))
         workspace.part_ml.fill_(float("nan"))
     expected = run_reference(batch, cache, scheme)
     assert_attention_close(run_kernel(batch, cache, scheme, workspace), expected,
-                           f"{scheme_name} GQA {group} target_programs {target_programs}")
+                           f"{scheme_name} GQA {group} target_programs {target_programs} head_dim {head_dim}")
 
 
 # inline PTX cannot run under the interpreter: those paths run with the GPU tests (tests/kernels/run_gpu.sh)
@@ -120,20 +125,22 @@ OTHER_CODE_PATHS = [pytest.param(name, marks=GPU_ONLY if "ptx" in name else []) 
 
 @pytest.mark.parametrize("code_path", OTHER_CODE_PATHS)
 @pytest.mark.parametrize("specs", [MIXED, DECODE], ids=["mixed", "decode-split"])
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("scheme_name", ["kivi", "saw64-rotv"])
-def test_other_code_paths_match_the_reference(gen, kernel_device, scheme_name, specs, code_path):
+def test_other_code_paths_match_the_reference(gen, kernel_device, scheme_name, head_dim, specs, code_path):
     """The launch options that feed codes to the MMA as fp16 subnormals (code * 2^-24, rescaled in fp32) and/or
     unpack them with inline PTX: same attention as the reference, on the one-pass prefill path and the split-KV
     decode path (the default path is every other test's)."""
     scheme = SCHEMES[scheme_name]
-    batch = make_paged_batch(gen, specs, 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
+    batch = make_paged_batch(gen, specs, 8, 2, block_size=128, dtype=torch.float16, device=kernel_device,
+                             head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
     decode = batch.max_query_len == 1
     launch = dataclasses.replace(DECODE_LAUNCH[scheme.name] if decode else PREFILL_LAUNCH, **CODE_PATHS[code_path])
-    workspace = SplitWorkspace.allocate(8, 2, kernel_device, target_programs=32) if decode else None
+    workspace = SplitWorkspace.allocate(8, 2, head_dim, kernel_device, target_programs=32) if decode else None
     assert_attention_close(run_kernel(batch, cache, scheme, workspace, launch), run_reference(batch, cache, scheme),
-                           f"{scheme_name} {code_path} codes")
+                           f"{scheme_name} {code_path} codes head_dim {head_dim}")
 
 
 def test_ptx_unpack_is_refused_by_the_interpreter():
@@ -155,7 +162,7 @@ def test_decode_with_and_without_workspace_agree(gen, kernel_device):
     batch = make_paged_batch(gen, DECODE, 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    workspace = SplitWorkspace.allocate(8, 2, kernel_device, target_programs=64)
+    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, target_programs=64)
     one_pass = run_kernel(batch, cache, scheme)
     split = run_kernel(batch, cache, scheme, workspace)
     torch.testing.assert_close(split, one_pass, rtol=5e-3, atol=5e-3)
@@ -195,7 +202,7 @@ def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, specs, 
     query_start_loc = torch.cat([batch.query_start_loc, last, last])
     seq_lens = torch.cat([batch.seq_lens, torch.tensor([0, 1], dtype=torch.int32, device=kernel_device)])
     block_table = torch.cat([batch.block_table, torch.zeros_like(batch.block_table[:2])])
-    workspace = SplitWorkspace.allocate(8, 2, kernel_device, target_programs=64) if with_workspace else None
+    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, target_programs=64) if with_workspace else None
     out = torch.full_like(query, float("nan"))
     paged_attention(query, cache, block_table, seq_lens, query_start_loc, batch.max_query_len, SOFTMAX_SCALE,
                     scheme, out, workspace=workspace)
@@ -232,3 +239,15 @@ def test_bad_inputs_get_clear_errors(gen, kernel_device):
     query = query.half()
     with pytest.raises(ValueError, match="int4_kivi needs block_size 128"):
         paged_attention(query, cache[..., : 64 * 136], *args, SCHEMES["kivi"], torch.empty_like(query))
+    with pytest.raises(ValueError, match="support head_dim 64 and 128, got 96"):
+        paged_attention(query[..., :96], cache, *args, SCHEMES["kivi"], torch.empty_like(query[..., :96]))
+    with pytest.raises(ValueError, match=r"block_size \* 72\] for head_dim 64"):
+        paged_attention(query[..., :64], cache[..., : 128 * 136 - 8], *args, SCHEMES["kivi"],
+                        torch.empty_like(query[..., :64]))
+    cache64 = torch.zeros(3, 4, 128 * 72, dtype=torch.uint8, device=kernel_device)
+    with pytest.raises(ValueError, match="hadamard_block 128 does not divide head_dim 64"):
+        paged_attention(query[..., :64], cache64, *args, SCHEMES["saw128"], torch.empty_like(query[..., :64]))
+    workspace = SplitWorkspace.allocate(8, 4, 128, kernel_device, target_programs=64)
+    with pytest.raises(ValueError, match="another head_dim"):
+        paged_attention(query[..., :64], cache64, *args, SCHEMES["kivi"], torch.empty_like(query[..., :64]),
+                        workspace=workspace)

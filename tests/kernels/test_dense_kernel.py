@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_batches import cache_with_prefix, dense_reference, make_paged_batch, with_guard_blocks
+from kv_batches import cache_with_prefix, dense_reference, make_paged_batch, scheme_head_dims, with_guard_blocks
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.dense import gather_dense_kv
@@ -30,13 +30,13 @@ SCHEMES = {
 SPECS = [(0, 37), (200, 20), (100, 40), (127, 1), (256, 5)]
 
 
-@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("scheme_name,head_dim", scheme_head_dims(SCHEMES))
 @pytest.mark.parametrize("seqs", [range(len(SPECS)), range(1, 4)], ids=["whole batch", "slice of the batch"])
-def test_gather_dense_kv_matches_reference(gen, kernel_device, scheme_name, seqs):
+def test_gather_dense_kv_matches_reference(gen, kernel_device, scheme_name, head_dim, seqs):
     """A slice of the batch keeps absolute query_start_loc rows, as the backend passes its prefill part."""
     scheme = SCHEMES[scheme_name]
     batch = make_paged_batch(gen, SPECS, 4, 2, block_size=128, dtype=torch.float16, device=kernel_device,
-                             num_padding=2)
+                             num_padding=2, head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)  # the backend stores first
     seqs = list(seqs)
@@ -44,7 +44,7 @@ def test_gather_dense_kv_matches_reference(gen, kernel_device, scheme_name, seqs
     cu_seqlens_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)]).int()
     total = int(cu_seqlens_k[-1])
     spare = 5  # rows past the last sequence must stay untouched
-    dense_k = torch.full((total + spare, 2, 128), float("nan"), dtype=torch.float16, device=kernel_device)
+    dense_k = torch.full((total + spare, 2, head_dim), float("nan"), dtype=torch.float16, device=kernel_device)
     dense_v = torch.full_like(dense_k, float("nan"))
     gather_dense_kv(batch.key, batch.value, cache, batch.block_table[seqs[0] : seqs[-1] + 1], seq_lens,
                     batch.query_start_loc[seqs[0] : seqs[-1] + 2], cu_seqlens_k, int(seq_lens.max()), scheme,

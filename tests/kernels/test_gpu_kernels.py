@@ -1,7 +1,7 @@
 """The Triton kernels at real sizes on a GPU (marker ``gpu``, skipped without CUDA, never in CI).
 
-Qwen2.5-7B attention shape (28 query heads, 4 KV heads, head_dim 128), contexts 1k-8k, up to 64 sequences, bf16
-and fp16. Checks: store bytes against the reference, attention against the reference, attention against
+Qwen2.5-7B attention shape (28 query heads, 4 KV heads, head_dim 128) and Llama-3.2-1B shape (32 query heads, 8 KV
+heads, head_dim 64), contexts 1k-8k, up to 64 sequences, bf16 and fp16. Checks: store bytes against the reference, attention against the reference, attention against
 attention over the unquantized K/V (the quality cost of each scheme; ``pytest -s`` prints the table, and with
 ``$OUT`` set it is also written to ``$OUT/kernel_errors.md``), and CUDA-graph capture/replay of store+attention
 giving exactly the eager result. About two minutes on an H200, most of it the torch reference.
@@ -34,8 +34,10 @@ from s4kv.kernels.store import store_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-NUM_Q_HEADS, NUM_KV_HEADS = 28, 4  # Qwen2.5-7B
+NUM_Q_HEADS, NUM_KV_HEADS = 28, 4  # Qwen2.5-7B, the shape of the tests that are not parametrized by SHAPES
 SOFTMAX_SCALE = 128**-0.5
+# model shape name -> (query heads, KV heads, head_dim)
+SHAPES = {"qwen2.5-7b": (28, 4, 128), "llama-3.2-1b": (32, 8, 64)}
 SCHEMES = {
     "kivi": Int4Scheme("int4_kivi"),
     "saw128": Int4Scheme("int4_saw", 128),
@@ -43,6 +45,9 @@ SCHEMES = {
     "saw32": Int4Scheme("int4_saw", 32),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# (scheme, shape) pairs whose Hadamard block fits the head (int4_saw's block 128 does not fit head_dim 64)
+SCHEME_SHAPES = [(scheme, shape) for scheme in SCHEMES for shape in SHAPES
+                 if SCHEMES[scheme].hadamard_block is None or SHAPES[shape][2] % SCHEMES[scheme].hadamard_block == 0]
 # int4 over ~N(0, 1) data costs ~10% rms per vector and the output inherits it: 0.17-0.26 over the H200 cases
 # (group-32 SAW decodes highest; it varies with the seed, which is per test), 0.15-0.18 on CPU;
 # a misread page gives ~100%
@@ -64,7 +69,7 @@ def batch_specs(kind: str, gen: torch.Generator) -> list[tuple[int, int]]:
     return [(int(c), 1) for c in contexts] + [(1023, 1), (4095, 1), (2000, 512), (6000, 300), (0, 1024)]
 
 
-def bf16_attention(batch) -> torch.Tensor:
+def bf16_attention(batch, softmax_scale: float) -> torch.Tensor:
     """What vLLM computes without KV quantization: bf16 attention over the unquantized K/V."""
     starts = batch.query_start_loc.tolist()
     outs = []
@@ -74,7 +79,7 @@ def bf16_attention(batch) -> torch.Tensor:
         mask = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.bfloat16().transpose(0, 1)[None],
                                              v.bfloat16().transpose(0, 1)[None], attn_mask=mask,
-                                             scale=SOFTMAX_SCALE, enable_gqa=True)
+                                             scale=softmax_scale, enable_gqa=True)
         outs.append(out[0].transpose(0, 1))
     return torch.cat(outs)
 
@@ -83,20 +88,21 @@ def bf16_attention(batch) -> torch.Tensor:
 def error_table():
     rows: list[str] = []
     yield rows
-    header = ["| dtype | scheme | codes | batch | kernel vs reference | kernel vs bf16 attention (unquantized K/V) "
-              "| bf16 attention vs fp64 | codes differing from reference store |",
-              "|---|---|---|---|---|---|---|---|"]
+    header = ["| shape | dtype | scheme | codes | batch | kernel vs reference | kernel vs bf16 attention (unquantized "
+              "K/V) | bf16 attention vs fp64 | codes differing from reference store |",
+              "|---|---|---|---|---|---|---|---|---|"]
     table = "\n".join(header + rows)
-    print("\n\nRelative error (Frobenius) of the attention output, Qwen2.5-7B shape 28/4 heads, head_dim 128\n" + table)
+    print("\n\nRelative error (Frobenius) of the attention output, Qwen2.5-7B shape (28/4 heads, head_dim 128) and "
+          "Llama-3.2-1B shape (32/8 heads, head_dim 64)\n" + table)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "kernel_errors.md").write_text(table + "\n")
 
 
-def code_mismatch(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor) -> float:
+def code_mismatch(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor, head_dim: int) -> float:
     """Fraction of the rewritten codes (K and V) that differ between two stores that started from ``before``."""
     differing = rewritten = 0
     for name in ("k_codes", "v_codes"):
-        a, e, b = (ref.unpack_nibbles(getattr(ref.PageViews(c), name)) for c in (actual, expected, before))
+        a, e, b = (ref.unpack_nibbles(getattr(ref.PageViews(c, head_dim), name)) for c in (actual, expected, before))
         rows = ((a != b) | (e != b)).any(-1)  # the token (or KIVI channel-block) rows either store wrote
         differing += int((a != e)[rows].sum())
         rewritten += int(rows.sum()) * a.shape[-1]
@@ -105,54 +111,59 @@ def code_mismatch(actual: torch.Tensor, expected: torch.Tensor, before: torch.Te
 
 @pytest.mark.parametrize("codes", list(CODE_PATHS))
 @pytest.mark.parametrize("kind", ["mixed", "decode64"])
-@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("scheme_name,shape", SCHEME_SHAPES)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, scheme_name, kind, codes):
+def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, scheme_name, shape, kind, codes):
     """``codes``: how the attention launch turns codes into MMA operands (attention.CODE_PATHS; "biased" is the
     default): fp16 subnormals and/or inline-PTX unpacking."""
     scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
+    num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
+    softmax_scale = head_dim**-0.5
     gen = gpu_gen(request)
-    batch = make_paged_batch(gen, batch_specs(kind, gen), NUM_Q_HEADS, NUM_KV_HEADS, block_size=128, dtype=dtype,
-                             device="cuda", num_padding=8)
+    batch = make_paged_batch(gen, batch_specs(kind, gen), num_q_heads, num_kv_heads, block_size=128, dtype=dtype,
+                             device="cuda", num_padding=8, head_dim=head_dim)
     before = cache_with_prefix(batch, scheme, gen, "cuda")
     expected_cache, cache = before.clone(), before.clone()
     ref.store_kv(batch.key, batch.value, expected_cache, batch.slot_mapping, scheme)
     store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    assert_caches_match(cache, expected_cache, before, batch.slot_mapping, scheme)
-    mismatch = code_mismatch(cache, expected_cache, before)
+    assert_caches_match(cache, expected_cache, before, batch.slot_mapping, scheme, head_dim=head_dim)
+    mismatch = code_mismatch(cache, expected_cache, before, head_dim)
     del expected_cache, before
 
-    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, "cuda") if batch.max_query_len == 1 else None
+    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda") if batch.max_query_len == 1 \
+        else None
     launch = DECODE_LAUNCH[scheme.name] if batch.max_query_len == 1 else PREFILL_LAUNCH
     launch = dataclasses.replace(launch, **CODE_PATHS[codes])
     out = torch.full_like(batch.query, float("nan"))
     paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                    batch.max_query_len, SOFTMAX_SCALE, scheme, out, workspace=workspace, launch=launch)
+                    batch.max_query_len, softmax_scale, scheme, out, workspace=workspace, launch=launch)
     assert not torch.isnan(out).any(), "NaN in the attention output"
     expected = ref.paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                                   SOFTMAX_SCALE, scheme)
+                                   softmax_scale, scheme)
     kernel_err = relative_error(out, expected)
-    baseline = bf16_attention(batch)
+    baseline = bf16_attention(batch, softmax_scale)
     quant_err = relative_error(out, baseline)
-    bf16_err = relative_error(baseline, unquantized_attention(batch, SOFTMAX_SCALE))
-    error_table.append(f"| {dtype_name} | {scheme_name} | {codes} | {kind} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
+    bf16_err = relative_error(baseline, unquantized_attention(batch, softmax_scale))
+    error_table.append(f"| {shape} | {dtype_name} | {scheme_name} | {codes} | {kind} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
                        f"| {kernel_err:.2e} | {quant_err:.3f} | {bf16_err:.1e} | {mismatch:.2%} |")
     assert kernel_err < MAX_KERNEL_ERR[dtype_name], f"kernel vs reference {kernel_err:.2e}"
     assert quant_err < MAX_QUANT_ERR, f"kernel vs unquantized bf16 attention {quant_err:.3f}"
 
 
-@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("scheme_name,shape", SCHEME_SHAPES)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_dense_prefill_gather_at_real_sizes(request, dtype_name, scheme_name):
+def test_dense_prefill_gather_at_real_sizes(request, dtype_name, scheme_name, shape):
     """Prefill chunks over 2k-6k cached prefixes: the dense buffer is the reference's prefix + the exact chunk."""
     scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
+    num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
     gen = gpu_gen(request)
     specs = [(2000, 512), (6000, 300), (0, 1024), (4095, 1), (127, 2048)]
-    batch = make_paged_batch(gen, specs, NUM_Q_HEADS, NUM_KV_HEADS, block_size=128, dtype=dtype, device="cuda")
+    batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=128, dtype=dtype, device="cuda",
+                             head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, "cuda")
     store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
     cu_seqlens_k = torch.cat([batch.seq_lens.new_zeros(1), batch.seq_lens.cumsum(0)]).int()
-    dense_k = torch.full((int(cu_seqlens_k[-1]), NUM_KV_HEADS, 128), float("nan"), dtype=dtype, device="cuda")
+    dense_k = torch.full((int(cu_seqlens_k[-1]), num_kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
     dense_v = torch.full_like(dense_k, float("nan"))
     gather_dense_kv(batch.key, batch.value, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
                     cu_seqlens_k, int(batch.seq_lens.max()), scheme, dense_k, dense_v)
@@ -164,17 +175,19 @@ def test_dense_prefill_gather_at_real_sizes(request, dtype_name, scheme_name):
         torch.testing.assert_close(dense_v[rows].float(), v, rtol=tol, atol=tol, msg=lambda m: f"seq {i} V: {m}")
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("scheme_name", ["kivi", "saw64-rotv"])
-def test_cuda_graph_replay_of_store_and_attention_matches_eager(request, scheme_name):
+def test_cuda_graph_replay_of_store_and_attention_matches_eager(request, scheme_name, shape):
     """Capture one decode step (store + attention) with static buffers; replaying it on the next step's inputs
     (new tokens, slots, longer sequences, a KIVI block closing) gives exactly the eager result."""
     scheme = SCHEMES[scheme_name]
+    num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
     gen = gpu_gen(request)
     # two decode steps of 32 sequences; some cross a block edge between the steps
     specs = [(int(c), 2) for c in torch.randint(1024, 4096, (28,), generator=gen, device="cuda").tolist()]
     specs += [(126, 2), (127, 2), (1022, 2), (3000, 2)]
-    batch = make_paged_batch(gen, specs, NUM_Q_HEADS, NUM_KV_HEADS, block_size=128, dtype=torch.bfloat16,
-                             device="cuda")
+    batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=128, dtype=torch.bfloat16,
+                             device="cuda", head_dim=head_dim)
     cache0 = cache_with_prefix(batch, scheme, gen, "cuda")
     steps = []
     for step in range(2):  # rows of the batch that belong to decode step `step`
@@ -186,12 +199,12 @@ def test_cuda_graph_replay_of_store_and_attention_matches_eager(request, scheme_
         ))
     num_seqs = len(specs)
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
-    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, "cuda")
+    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda")
 
     def decode_step(inputs, cache, out):
         store_kv(inputs["key"], inputs["value"], cache, inputs["slot_mapping"], scheme)
         paged_attention(inputs["query"], cache, batch.block_table, inputs["seq_lens"], query_start_loc, 1,
-                        SOFTMAX_SCALE, scheme, out, workspace=workspace)
+                        head_dim**-0.5, scheme, out, workspace=workspace)
 
     # eager: step 0 then step 1
     eager_cache, eager_out = cache0.clone(), []
@@ -270,7 +283,7 @@ def test_kernels_address_pages_past_4_gib(request, scheme_name):
              if not torch.equal(actual[starts[s]:starts[s + 1]], expected[starts[s]:starts[s + 1]])]
     assert not wrong, "attention differs for " + "; ".join(page_offsets(s) for s in wrong[:6])
     decode = slice(0, 24)
-    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, "cuda")
+    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, 128, "cuda")
     qsl = torch.arange(25, dtype=torch.int32, device="cuda")
     outs = []
     for cache, table in ((small, batch.block_table), (big, big_table)):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from attention_oracle import causal_attention
 from kv_batches import (
+    HEAD_DIM,
     cache_with_prefix,
     entry_bytes,
     make_paged_batch,
@@ -22,7 +23,8 @@ from kv_batches import (
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.hadamard import block_hadamard, sylvester_hadamard
-from s4kv.kernels.layout import BYTES_PER_TOKEN, HEAD_DIM, PageLayout, cache_shape
+from s4kv.kernels.layout import (SUPPORTED_HEAD_DIMS, PageLayout, bf16_bytes_per_token, bytes_per_token, cache_shape,
+                                  check_head_dim)
 from s4kv.kernels.scheme import Int4Scheme
 
 KIVI = Int4Scheme.parse({"scheme": "int4_kivi"})
@@ -32,6 +34,9 @@ SAW_SCHEMES = [
 ]
 ALL_SCHEMES = [KIVI, *SAW_SCHEMES]
 SCHEME_IDS = ["kivi", "saw128", "saw64-rotv", "saw32"]
+# every (scheme, head_dim) the scheme's Hadamard block fits
+SCHEMES_BY_HEAD_DIM = [pytest.param(scheme, d, id=f"{name}-d{d}") for scheme, name in zip(ALL_SCHEMES, SCHEME_IDS)
+                       for d in SUPPORTED_HEAD_DIMS if scheme.hadamard_block is None or d % scheme.hadamard_block == 0]
 FP16_EPS = 2.0**-11  # unit roundoff of fp16
 
 
@@ -51,7 +56,7 @@ def assert_round_trip_bound(x: torch.Tensor, x_hat: torch.Tensor, scale: torch.T
 # ---------------------------------------------------------------------------------------------------------------
 # quantize / dequantize building blocks
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(1, 128), (37, 3, 128), (5, 7, 2, 128)])
+@pytest.mark.parametrize("shape", [(1, 128), (37, 3, 128), (5, 7, 2, 128), (9, 2, 64)])
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 300.0])
 def test_per_token_round_trip_is_within_half_a_step(gen, shape, magnitude):
     x = (torch.randn(shape, generator=gen) + torch.randn(shape[:-1] + (1,), generator=gen)) * magnitude
@@ -65,18 +70,19 @@ def test_per_token_round_trip_is_within_half_a_step(gen, shape, magnitude):
     assert (codes.amin(-1) == 0).all() and (codes.amax(-1) == 15).all()
 
 
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("tokens", [1, 16, 128])
-def test_per_channel_round_trip_is_within_half_a_step(gen, tokens):
-    x = random_keys(gen, tokens, 1, torch.float32, "cpu")[:, 0]
+def test_per_channel_round_trip_is_within_half_a_step(gen, tokens, head_dim):
+    x = random_keys(gen, tokens, 1, torch.float32, "cpu", head_dim)[:, 0]
     codes, scale, minimum = ref.quantize_per_channel(x)
-    assert codes.shape == (tokens, HEAD_DIM) and scale.shape == minimum.shape == (HEAD_DIM,)
+    assert codes.shape == (tokens, head_dim) and scale.shape == minimum.shape == (head_dim,)
     x_hat = ref.dequantize_per_channel(codes, scale, minimum)
     assert_round_trip_bound(x, x_hat, scale, minimum, x.amin(0))
     # per channel means per channel: a channel scaled by 100 leaves the other channels' params alone
     y = x.clone()
     y[:, 5] *= 100
     _, scale_y, min_y = ref.quantize_per_channel(y)
-    others = torch.arange(HEAD_DIM) != 5
+    others = torch.arange(head_dim) != 5
     assert torch.equal(scale_y[others], scale[others]) and torch.equal(min_y[others], minimum[others])
 
 
@@ -132,11 +138,13 @@ def test_nonfinite_or_fp16_overflowing_input_gives_a_nan_scale(gen, bad):
     assert torch.isnan(ref.dequantize_per_channel(codes, scale, minimum)[:, 17]).all()
 
 
-def test_nibble_packing_puts_channel_j_low_and_j_plus_64_high(gen):
-    codes = torch.randint(0, 16, (9, 3, HEAD_DIM), generator=gen, dtype=torch.uint8)
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_nibble_packing_puts_channel_j_low_and_j_plus_half_high(gen, head_dim):
+    codes = torch.randint(0, 16, (9, 3, head_dim), generator=gen, dtype=torch.uint8)
     packed = ref.pack_nibbles(codes)
-    assert packed.dtype == torch.uint8 and packed.shape == (9, 3, HEAD_DIM // 2)
-    assert torch.equal(packed & 0xF, codes[..., :64]) and torch.equal(packed >> 4, codes[..., 64:])
+    half = head_dim // 2
+    assert packed.dtype == torch.uint8 and packed.shape == (9, 3, half)
+    assert torch.equal(packed & 0xF, codes[..., :half]) and torch.equal(packed >> 4, codes[..., half:])
     assert torch.equal(ref.unpack_nibbles(packed), codes)
     every_byte = torch.arange(256, dtype=torch.uint8).view(4, 64)
     assert torch.equal(ref.pack_nibbles(ref.unpack_nibbles(every_byte)), every_byte)
@@ -145,14 +153,14 @@ def test_nibble_packing_puts_channel_j_low_and_j_plus_64_high(gen):
 # ---------------------------------------------------------------------------------------------------------------
 # Hadamard rotation
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("block", [1, 2, 32, 64, 128])
-def test_block_hadamard_is_orthonormal_symmetric_and_block_diagonal(block):
-    r = block_hadamard(block, HEAD_DIM, dtype=torch.float64)
-    assert r.shape == (HEAD_DIM, HEAD_DIM) and r.dtype == torch.float64
-    torch.testing.assert_close(r @ r.T, torch.eye(HEAD_DIM, dtype=torch.float64))
+@pytest.mark.parametrize("dim,block", [(d, b) for d in SUPPORTED_HEAD_DIMS for b in (1, 2, 32, 64, 128) if b <= d])
+def test_block_hadamard_is_orthonormal_symmetric_and_block_diagonal(dim, block):
+    r = block_hadamard(block, dim, dtype=torch.float64)
+    assert r.shape == (dim, dim) and r.dtype == torch.float64
+    torch.testing.assert_close(r @ r.T, torch.eye(dim, dtype=torch.float64))
     assert torch.equal(r, r.T)
     nonzero = r != 0
-    same_block = (torch.arange(HEAD_DIM)[:, None] // block) == (torch.arange(HEAD_DIM)[None, :] // block)
+    same_block = (torch.arange(dim)[:, None] // block) == (torch.arange(dim)[None, :] // block)
     assert torch.equal(nonzero, same_block)
     assert torch.allclose(r[nonzero].abs(), torch.tensor(block**-0.5, dtype=torch.float64))
     h = sylvester_hadamard(block)
@@ -166,12 +174,26 @@ def test_block_hadamard_rejects_bad_sizes():
         sylvester_hadamard(0)
     with pytest.raises(ValueError, match="does not divide"):
         block_hadamard(64, 96)
+    with pytest.raises(ValueError, match="does not divide"):
+        block_hadamard(128, 64)
 
 
-@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=SCHEME_IDS)
-def test_scheme_rotation_is_its_block_hadamard(scheme):
-    assert torch.equal(scheme.rotation("cpu"), block_hadamard(scheme.hadamard_block, HEAD_DIM))
-    assert scheme.rotation("cpu", dtype=torch.float16).dtype == torch.float16
+@pytest.mark.parametrize("scheme,head_dim", SCHEMES_BY_HEAD_DIM)
+def test_scheme_rotation_is_its_block_hadamard(scheme, head_dim):
+    block = head_dim if scheme.hadamard_block is None else scheme.hadamard_block
+    assert scheme.hadamard_block_for(head_dim) == block
+    assert torch.equal(scheme.rotation(head_dim, "cpu"), block_hadamard(block, head_dim))
+    assert scheme.rotation(head_dim, "cpu", dtype=torch.float16).dtype == torch.float16
+
+
+def test_the_default_rotation_is_the_whole_head_and_a_block_too_large_is_refused():
+    """int4_kivi's staging and int4_saw's default rotate over the whole head, 128 or 64 channels; an explicit
+    int4_saw hadamard_block of 128 does not fit a 64-channel head and is refused, never shrunk behind the user's
+    back."""
+    for scheme in (KIVI, Int4Scheme("int4_saw")):
+        assert [scheme.hadamard_block_for(d) for d in SUPPORTED_HEAD_DIMS] == list(SUPPORTED_HEAD_DIMS)
+    with pytest.raises(ValueError, match=r"hadamard_block 128 does not divide head_dim 64: choose one of \(32, 64\)"):
+        Int4Scheme("int4_saw", 128).rotation(64)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,9 +201,9 @@ def test_scheme_rotation_is_its_block_hadamard(scheme):
 # ---------------------------------------------------------------------------------------------------------------
 def test_scheme_parsing_defaults_and_options():
     kivi = Int4Scheme.parse({"scheme": "int4_kivi"})
-    assert (kivi.name, kivi.hadamard_block, kivi.rotate_values, kivi.is_kivi) == ("int4_kivi", 128, False, True)
+    assert (kivi.name, kivi.hadamard_block, kivi.rotate_values, kivi.is_kivi) == ("int4_kivi", None, False, True)
     saw = Int4Scheme.parse({"scheme": "int4_saw"})
-    assert (saw.name, saw.hadamard_block, saw.rotate_values, saw.is_kivi) == ("int4_saw", 128, False, False)
+    assert (saw.name, saw.hadamard_block, saw.rotate_values, saw.is_kivi) == ("int4_saw", None, False, False)
     saw = Int4Scheme.parse({"scheme": "int4_saw", "hadamard_block": 32, "rotate_values": True})
     assert (saw.hadamard_block, saw.rotate_values) == (32, True)
     assert Int4Scheme.parse({"scheme": "int4_saw", "hadamard_block": 64}) == Int4Scheme("int4_saw", 64)
@@ -220,40 +242,59 @@ def test_scheme_constructor_validates_too():
 # ---------------------------------------------------------------------------------------------------------------
 # page layout and views
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("block_size", [16, 32, 128])
-def test_page_layout_regions_tile_the_page(block_size):
-    lay = PageLayout(block_size)
-    b = block_size
-    assert (lay.k_codes, lay.v_codes, lay.v_params, lay.k_params, lay.page_bytes) == (0, 64 * b, 128 * b, 132 * b, 136 * b)
-    assert BYTES_PER_TOKEN == 136
-    assert cache_shape(7, 4, block_size) == (7, 4, 136 * block_size)
+def test_page_layout_regions_tile_the_page(block_size, head_dim):
+    lay = PageLayout(block_size, head_dim)
+    b, d = block_size, head_dim
+    assert (lay.k_codes, lay.v_codes, lay.v_params, lay.k_params, lay.page_bytes) == (
+        0, d // 2 * b, d * b, (d + 4) * b, (d + 8) * b)
+    assert cache_shape(7, 4, block_size, head_dim) == (7, 4, (d + 8) * block_size)
+
+
+def test_bytes_per_token_and_density_against_bf16():
+    """docs/format.md's density table: vLLM's int4_per_token_head budget, head_dim + 8 bytes."""
+    assert [bytes_per_token(d) for d in (64, 128)] == [72, 136]
+    assert [bf16_bytes_per_token(d) for d in (64, 128)] == [256, 512]
+    assert [round(bf16_bytes_per_token(d) / bytes_per_token(d), 2) for d in (64, 128)] == [3.56, 3.76]
 
 
 @pytest.mark.parametrize("block_size", [0, 8, 100, -16])
 def test_page_layout_rejects_bad_block_sizes(block_size):
     with pytest.raises(ValueError, match="multiple of 16"):
-        PageLayout(block_size)
+        PageLayout(block_size, 128)
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+def test_page_layout_rejects_other_head_dims(head_dim):
+    with pytest.raises(ValueError, match=f"support head_dim 64 and 128, got {head_dim}"):
+        PageLayout(128, head_dim)
+    with pytest.raises(ValueError, match=f"support head_dim 64 and 128, got {head_dim}"):
+        check_head_dim(head_dim)
 
 
 def test_page_views_reject_a_cache_of_the_wrong_kind():
     with pytest.raises(ValueError, match="uint8"):
-        ref.PageViews(torch.zeros(2, 1, 136 * 16, dtype=torch.float16))
+        ref.PageViews(torch.zeros(2, 1, 136 * 16, dtype=torch.float16), 128)
     with pytest.raises(ValueError, match="uint8"):
-        ref.PageViews(torch.zeros(2, 136 * 16, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="not block_size \\* 136"):
-        ref.PageViews(torch.zeros(2, 1, 137 * 16, dtype=torch.uint8))
+        ref.PageViews(torch.zeros(2, 136 * 16, dtype=torch.uint8), 128)
+    with pytest.raises(ValueError, match="block_size \\* 136\\] for head_dim 128"):
+        ref.PageViews(torch.zeros(2, 1, 137 * 16, dtype=torch.uint8), 128)
+    with pytest.raises(ValueError, match="block_size \\* 72\\] for head_dim 64"):
+        ref.PageViews(torch.zeros(2, 1, 136 * 16, dtype=torch.uint8), 64)
 
 
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_each_page_view_writes_only_its_documented_bytes(gen, block_size):
+def test_each_page_view_writes_only_its_documented_bytes(gen, block_size, head_dim):
     """Poison a cache, write one entry through each view, check exactly the documented bytes changed."""
     num_blocks, num_heads = 3, 2
-    lay = PageLayout(block_size)
+    lay = PageLayout(block_size, head_dim)
     for name in ("k_codes", "v_codes", "v_params", "k_params"):
         blk, head, entry = 1, 1, int(torch.randint(0, block_size, (1,), generator=gen))
-        cache = poisoned_cache(num_blocks, num_heads, block_size, gen, "cpu")
+        cache = poisoned_cache(num_blocks, num_heads, block_size, gen, "cpu", head_dim)
         before = cache.clone()
-        view = getattr(ref.PageViews(cache), name)
+        view = getattr(ref.PageViews(cache, head_dim), name)
         documented = entry_bytes(lay, name, entry)
         if name.endswith("codes"):
             view[blk, head, entry] = ~before[blk, head, documented]
@@ -271,39 +312,39 @@ def test_each_page_view_writes_only_its_documented_bytes(gen, block_size):
 # ---------------------------------------------------------------------------------------------------------------
 # store
 # ---------------------------------------------------------------------------------------------------------------
-def stored_keys_rotated(cache, slots, scheme):
-    """Per-token dequantized keys of ``slots`` in the rotated space, with their params: ([n, H, 128], scale, min)."""
-    pages = ref.PageViews(cache)
+def stored_keys_rotated(cache, slots, head_dim):
+    """Per-token dequantized keys of ``slots`` in the rotated space, with their params: ([n, H, D], scale, min)."""
+    pages = ref.PageViews(cache, head_dim)
     blk, off = slots // pages.block_size, slots % pages.block_size
     params = pages.k_params[blk, :, off]
     return ref.dequantize_per_token(ref.unpack_nibbles(pages.k_codes[blk, :, off]), params[..., 0], params[..., 1]), params
 
 
-@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=SCHEME_IDS)
+@pytest.mark.parametrize("scheme,head_dim", SCHEMES_BY_HEAD_DIM)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_store_writes_only_its_slots_and_skips_padding(gen, scheme, dtype):
+def test_store_writes_only_its_slots_and_skips_padding(gen, scheme, head_dim, dtype):
     block_size = 128 if scheme.is_kivi else 32
     num_blocks, num_heads = 4, 3
-    cache = poisoned_cache(num_blocks, num_heads, block_size, gen, "cpu")
+    cache = poisoned_cache(num_blocks, num_heads, block_size, gen, "cpu", head_dim)
     before = cache.clone()
     # random distinct slots that leave every block open (kivi closing is tested on its own), -1 rows hold NaN
     open_slots = torch.arange(num_blocks * block_size).view(num_blocks, block_size)[1:, :-1].flatten()
     slots = open_slots[torch.randperm(open_slots.numel(), generator=gen)[:40]]
     slots[torch.randperm(40, generator=gen)[:7]] = -1
-    key = random_keys(gen, 40, num_heads, dtype, "cpu")
-    value = random_values(gen, 40, num_heads, dtype, "cpu")
+    key = random_keys(gen, 40, num_heads, dtype, "cpu", head_dim)
+    value = random_values(gen, 40, num_heads, dtype, "cpu", head_dim)
     key[slots < 0] = float("nan")
     value[slots < 0] = float("nan")
     ref.store_kv(key, value, cache, slots, scheme)
 
-    mask = written_byte_mask(slots, cache, scheme).expand_as(cache)
+    mask = written_byte_mask(slots, cache, scheme, head_dim).expand_as(cache)
     assert torch.equal(cache[~mask], before[~mask]), "store changed bytes outside its slots"
     live = slots >= 0
-    rot = scheme.rotation("cpu")
-    k_rot, kp = stored_keys_rotated(cache, slots[live], scheme)
+    rot = scheme.rotation(head_dim, "cpu")
+    k_rot, kp = stored_keys_rotated(cache, slots[live], head_dim)
     x = key[live].float() @ rot
     assert_round_trip_bound(x, k_rot, kp[..., 0, None], kp[..., 1, None], x.amin(-1, keepdim=True))
-    pages = ref.PageViews(cache)
+    pages = ref.PageViews(cache, head_dim)
     blk, off = slots[live] // block_size, slots[live] % block_size
     vp = pages.v_params[blk, :, off]
     v_hat = ref.dequantize_per_token(ref.unpack_nibbles(pages.v_codes[blk, :, off]), vp[..., 0], vp[..., 1])
@@ -311,15 +352,16 @@ def test_store_writes_only_its_slots_and_skips_padding(gen, scheme, dtype):
     assert_round_trip_bound(v, v_hat, vp[..., 0, None], vp[..., 1, None], v.amin(-1, keepdim=True))
 
 
-@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=SCHEME_IDS)
-def test_store_then_dequantize_follows_a_shuffled_block_table(gen, scheme):
+@pytest.mark.parametrize("scheme,head_dim", SCHEMES_BY_HEAD_DIM)
+def test_store_then_dequantize_follows_a_shuffled_block_table(gen, scheme, head_dim):
     block_size = 128 if scheme.is_kivi else 16
     batch = make_paged_batch(gen, [(0, 300), (150, 9), (5, 1), (0, 40)], num_q_heads=4, num_kv_heads=2,
-                             block_size=block_size, dtype=torch.float16, device="cpu", num_padding=3)
+                             block_size=block_size, dtype=torch.float16, device="cpu", num_padding=3,
+                             head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, "cpu")
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
     for i, (k, v) in enumerate(zip(batch.seq_keys, batch.seq_values)):
-        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], int(batch.seq_lens[i]), scheme)
+        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], int(batch.seq_lens[i]), scheme, head_dim)
         assert k_hat.shape == v_hat.shape == k.shape and torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all()
         # int4 over ~N(0, 1) data: the rms error is a small fraction of the data's rms, never more than a step
         assert relative_error(k_hat, k) < 0.12, f"sequence {i}"
@@ -334,53 +376,58 @@ def test_kivi_needs_block_size_128(gen):
 
 
 def staged(keys: torch.Tensor) -> torch.Tensor:
-    """What an open KIVI block holds for keys [n, H, 128]: per token after the full rotation, dequantized back."""
-    rot = KIVI.rotation("cpu")
+    """What an open KIVI block holds for keys [n, H, D]: per token after the full rotation, dequantized back."""
+    rot = KIVI.rotation(keys.shape[-1], "cpu")
     return ref.dequantize_per_token(*ref.quantize_per_token(keys.float() @ rot)) @ rot
 
 
-def closed_block(cache, blk):
-    """The per-channel codes and params of every head of a closed KIVI block: [H, 128, 128], [H, 128], [H, 128]."""
-    pages = ref.PageViews(cache)
-    return ref.unpack_nibbles(pages.k_codes[blk]), pages.k_params[blk, :, :, 0], pages.k_params[blk, :, :, 1]
+def closed_block(cache, blk, head_dim):
+    """The per-channel codes and params of every head of a closed KIVI block: [H, 128, D], [H, D], [H, D]."""
+    pages = ref.PageViews(cache, head_dim)
+    params = pages.k_params[blk, :, :head_dim]
+    return ref.unpack_nibbles(pages.k_codes[blk]), params[..., 0], params[..., 1]
 
 
-def test_kivi_block_filled_in_one_batch_is_per_channel_from_the_original_keys(gen):
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_kivi_block_filled_in_one_batch_is_per_channel_from_the_original_keys(gen, head_dim):
     """A prefill of 300 tokens closes two blocks exactly from the original keys; the third stays open."""
     batch = make_paged_batch(gen, [(0, 300)], num_q_heads=2, num_kv_heads=2, block_size=128,
-                             dtype=torch.bfloat16, device="cpu")
-    cache = poisoned_cache(batch.num_blocks, 2, 128, gen, "cpu")
+                             dtype=torch.bfloat16, device="cpu", head_dim=head_dim)
+    cache = poisoned_cache(batch.num_blocks, 2, 128, gen, "cpu", head_dim)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI)
     keys = batch.seq_keys[0].float()
     for j in range(2):
         blk = int(batch.block_table[0, j])
-        codes, scale, minimum = closed_block(cache, blk)
+        codes, scale, minimum = closed_block(cache, blk, head_dim)
         for h in range(2):
             want = ref.quantize_per_channel(keys[128 * j : 128 * (j + 1), h])
             assert torch.equal(codes[h], want[0]) and torch.equal(scale[h], want[1]) and torch.equal(minimum[h], want[2])
-    assert not ref.staged_flags(ref.PageViews(cache).k_params[batch.block_table[0, :2].long()]).any()
-    k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[0], 300, KIVI)
+        # below head_dim 128 the K params past the channels' are cleared: the block's bytes are its keys' alone
+        assert (ref.PageViews(cache, head_dim).k_params[blk, :, head_dim:] == 0).all()
+    assert not ref.staged_flags(ref.PageViews(cache, head_dim).k_params[batch.block_table[0, :2].long()]).any()
+    k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[0], 300, KIVI, head_dim)
     torch.testing.assert_close(k_hat[256:], staged(keys[256:]), rtol=0, atol=1e-5)
 
 
-def test_kivi_block_filled_by_decode_keeps_its_staged_keys(gen):
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_kivi_block_filled_by_decode_keeps_its_staged_keys(gen, head_dim):
     """128 one-token steps: the block closes without re-quantizing (that would quantize its keys twice, about
     sqrt(2) x the error), flagged in every head, and reads back exactly its staged keys."""
     num_heads = 4
-    keys = random_keys(gen, 128, num_heads, torch.float32, "cpu")
-    values = random_values(gen, 128, num_heads, torch.float32, "cpu")
+    keys = random_keys(gen, 128, num_heads, torch.float32, "cpu", head_dim)
+    values = random_values(gen, 128, num_heads, torch.float32, "cpu", head_dim)
     blk = 2
-    cache = poisoned_cache(3, num_heads, 128, gen, "cpu")
-    padding = torch.full((1, num_heads, HEAD_DIM), float("nan"))
+    cache = poisoned_cache(3, num_heads, 128, gen, "cpu", head_dim)
+    padding = torch.full((1, num_heads, head_dim), float("nan"))
     for t in range(128):
         # each step also carries a padding row and a token of another sequence (in block 0)
-        other = random_keys(gen, 1, num_heads, torch.float32, "cpu")
+        other = random_keys(gen, 1, num_heads, torch.float32, "cpu", head_dim)
         slots = torch.tensor([-1, blk * 128 + t, t])
         ref.store_kv(torch.cat([padding, keys[t : t + 1], other]), torch.cat([padding, values[t : t + 1], other]),
                      cache, slots, KIVI)
-    pages = ref.PageViews(cache)
+    pages = ref.PageViews(cache, head_dim)
     assert ref.staged_flags(pages.k_params[[0, blk]]).all()  # both sequences' blocks filled by decode
-    k_hat, _ = ref.dequantize_sequence(cache, torch.tensor([blk]), 128, KIVI)
+    k_hat, _ = ref.dequantize_sequence(cache, torch.tensor([blk]), 128, KIVI, head_dim)
     torch.testing.assert_close(k_hat, staged(keys), rtol=0, atol=1e-5)
     # what re-quantizing per channel would have cost: both errors, in quadrature
     twice = torch.stack([ref.dequantize_per_channel(*ref.quantize_per_channel(staged(keys)[:, h]))
@@ -396,8 +443,8 @@ def test_kivi_block_closed_by_a_later_chunk_keeps_its_staged_keys(gen):
     cache = cache_with_prefix(batch, KIVI, gen, "cpu")
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI)
     keys = batch.seq_keys[0].float()
-    assert ref.staged_flags(ref.PageViews(cache).k_params[int(batch.block_table[0, 0])]).all()
-    k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[0], 200, KIVI)
+    assert ref.staged_flags(ref.PageViews(cache, HEAD_DIM).k_params[int(batch.block_table[0, 0])]).all()
+    k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[0], 200, KIVI, HEAD_DIM)
     torch.testing.assert_close(k_hat, staged(keys), rtol=0, atol=1e-5)
 
 
@@ -408,8 +455,8 @@ def test_kivi_per_channel_close_of_a_broken_key_is_not_flagged(gen):
     keys[5, 0, 0] = float("nan")
     cache = poisoned_cache(1, 2, 128, gen, "cpu")
     ref.store_kv(keys, keys, cache, torch.arange(128), KIVI)
-    assert not ref.staged_flags(ref.PageViews(cache).k_params[0]).any()
-    k_hat, _ = ref.dequantize_sequence(cache, torch.tensor([0]), 128, KIVI)
+    assert not ref.staged_flags(ref.PageViews(cache, HEAD_DIM).k_params[0]).any()
+    k_hat, _ = ref.dequantize_sequence(cache, torch.tensor([0]), 128, KIVI, HEAD_DIM)
     assert torch.isnan(k_hat[:, 0, 0]).all() and torch.isfinite(k_hat[:, 1]).all()
 
 
@@ -419,7 +466,7 @@ def test_kivi_open_block_reads_back_the_staged_keys(gen):
     cache = cache_with_prefix(batch, KIVI, gen, "cpu")
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI)
     for i in range(2):
-        k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[i], int(batch.seq_lens[i]), KIVI)
+        k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[i], int(batch.seq_lens[i]), KIVI, HEAD_DIM)
         torch.testing.assert_close(k_hat, staged(batch.seq_keys[i]), rtol=0, atol=1e-5)
 
 
@@ -430,23 +477,24 @@ def test_kivi_open_block_reads_back_the_staged_keys(gen):
 MIXED_BATCH = [(0, 37), (130, 1), (250, 20), (3, 1), (128, 1), (90, 45)]
 
 
-@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=SCHEME_IDS)
+@pytest.mark.parametrize("scheme,head_dim", SCHEMES_BY_HEAD_DIM)
 @pytest.mark.parametrize("group", [1, 4, 7])
-def test_paged_attention_is_plain_attention_over_the_dequantized_cache(gen, scheme, group):
+def test_paged_attention_is_plain_attention_over_the_dequantized_cache(gen, scheme, head_dim, group):
     num_kv_heads = 2 if group < 7 else 1
     block_size = 128 if scheme.is_kivi else 32
     batch = make_paged_batch(gen, MIXED_BATCH, num_q_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
-                             block_size=block_size, dtype=torch.float16, device="cpu", num_padding=2)
+                             block_size=block_size, dtype=torch.float16, device="cpu", num_padding=2,
+                             head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, "cpu")
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    softmax_scale = HEAD_DIM**-0.5
+    softmax_scale = head_dim**-0.5
     out = ref.paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
                               softmax_scale, scheme)
     assert out.dtype == torch.float32 and out.shape == batch.query.shape and torch.isfinite(out).all()
 
     starts = batch.query_start_loc.tolist()
     for i in range(len(MIXED_BATCH)):
-        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], int(batch.seq_lens[i]), scheme)
+        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], int(batch.seq_lens[i]), scheme, head_dim)
         want = causal_attention(batch.query[starts[i] : starts[i + 1]], k_hat, v_hat, softmax_scale)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), want, rtol=1e-4, atol=1e-5)
 
@@ -460,7 +508,7 @@ def test_worked_example_of_docs_format_md():
     """The addresses and bytes docs/format.md works out by hand for token 261, KV head 1, block table [7, 2, 9]."""
     channels = torch.arange(HEAD_DIM, dtype=torch.float32)
     v = (2 * torch.sin(0.7 * channels) + 0.5 * torch.cos(0.13 * channels)).round(decimals=3)
-    cache = torch.zeros(cache_shape(10, 4, 128), dtype=torch.uint8)
+    cache = torch.zeros(cache_shape(10, 4, 128, HEAD_DIM), dtype=torch.uint8)
     block_table_row = torch.tensor([7, 2, 9])
     slot = int(block_table_row[261 // 128]) * 128 + 261 % 128
     assert slot == 1157
@@ -472,6 +520,6 @@ def test_worked_example_of_docs_format_md():
     assert region == 644_096
     assert flat[region + 16404 : region + 16408].tolist() == [0x43, 0x35, 0xE5, 0xC0]
     assert int(flat[region + 8197]) == 0xB9  # V code byte 0 of slot 5, channel-major: 8192 + 0 * 128 + 5
-    _, v_hat = ref.dequantize_sequence(cache, block_table_row, 262, SAW_SCHEMES[0])
+    _, v_hat = ref.dequantize_sequence(cache, block_table_row, 262, SAW_SCHEMES[0], HEAD_DIM)
     assert abs(float(v_hat[261, 1, 0]) - 0.5125) < 1e-4 and abs(float(v_hat[261, 1, 64]) - 1.1702) < 1e-4
     assert abs(float((v_hat[261, 1] - v).abs().max()) - 0.1634) < 1e-4

@@ -24,9 +24,13 @@ LLAMA31_8B = {
 
 # name -> (config.json, words the rejection sentence must contain)
 REJECTED_MODELS = {
-    "head_dim_64": (
-        dict(LLAMA31_8B, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64),
-        ["head_dim 64", "head_dim 128 only"],
+    "head_dim_96": (
+        dict(LLAMA31_8B, hidden_size=3072, num_attention_heads=32, num_key_value_heads=8, head_dim=96),
+        ["head_dim 96", "head_dim 64 and 128 only"],
+    ),
+    "head_dim_256": (
+        dict(LLAMA31_8B, hidden_size=4096, num_attention_heads=16, num_key_value_heads=4, head_dim=256),
+        ["head_dim 256", "head_dim 64 and 128 only"],
     ),
     "mla": (
         {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
@@ -64,7 +68,11 @@ REJECTED_MODELS = {
         ["outside the Qwen2, Qwen2.5 and Llama-3 families"],
     ),
 }
-ACCEPTED_MODELS = {"qwen2.5-7b": QWEN25_7B, "llama-3.1-8b": LLAMA31_8B}
+# Llama-3.2-1B: head_dim 64 (2048 / 32), 16 layers
+LLAMA32_1B = dict(LLAMA31_8B, hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=64, num_hidden_layers=16, tie_word_embeddings=True,
+                  rope_scaling=dict(LLAMA31_8B["rope_scaling"], factor=32.0))
+ACCEPTED_MODELS = {"qwen2.5-7b": QWEN25_7B, "llama-3.1-8b": LLAMA31_8B, "llama-3.2-1b": LLAMA32_1B}
 
 
 def write_model_dir(root: Path, name: str, config: dict) -> Path:

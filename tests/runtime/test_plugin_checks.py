@@ -54,7 +54,19 @@ def test_check_accepts_supported_families(case, tmp_path, capsys):
     model = write_model_dir(tmp_path, case, ACCEPTED_MODELS[case])
     code, out = run_cli(capsys, "check", str(model / "config.json"), "--scheme", "int4_saw")
     assert code == 0, out
-    assert "supported with int4_saw" in out and "136 B per token" in out and "3.76x" in out
+    head_dim = ACCEPTED_MODELS[case].get("head_dim", 128)
+    density = {128: "136 B per token and KV head, 3.76x", 64: "72 B per token and KV head, 3.56x"}[head_dim]
+    assert "supported with int4_saw" in out and f"head_dim {head_dim}" in out and density in out, out
+
+
+def test_check_refuses_a_hadamard_block_wider_than_the_head(tmp_path, capsys):
+    model = write_model_dir(tmp_path, "llama-3.2-1b", ACCEPTED_MODELS["llama-3.2-1b"])
+    code, out = run_cli(capsys, "check", str(model), "--scheme", "int4_saw", "--hadamard-block", "128")
+    assert code == 1, out
+    assert_one_sentence_per_cause(out, ["int4_saw hadamard_block 128 does not divide head_dim 64",
+                                        "choose one of (32, 64)"])
+    for block in ("32", "64"):
+        assert run_cli(capsys, "check", str(model), "--scheme", "int4_saw", "--hadamard-block", block)[0] == 0
 
 
 def test_family_opt_in_lifts_only_the_family_rule(tmp_path, capsys):
@@ -137,9 +149,9 @@ def test_llama3_is_told_apart_from_llama2():
 
 # ------------------------------------------------------------------------------------------ serve's pre-check
 def test_serve_prechecks_and_builds_the_vllm_command(tmp_path, capsys):
-    bad = write_model_dir(tmp_path, "head64", REJECTED_MODELS["head_dim_64"][0])
+    bad = write_model_dir(tmp_path, "head96", REJECTED_MODELS["head_dim_96"][0])
     code, out = run_cli(capsys, "serve", str(bad), "--scheme", "int4_kivi", "--dry-run")
-    assert code == 1 and "head_dim 64" in out
+    assert code == 1 and "head_dim 96" in out
     good = write_model_dir(tmp_path, "qwen", QWEN25_7B)
     code, out = run_cli(capsys, "serve", str(good), "--scheme", "int4_saw", "--hadamard-block", "64", "--port", "8123",
                         "--dry-run", "--max-model-len", "4096")
@@ -165,7 +177,7 @@ def _vllm_config(model_dir, **engine_kwargs):
 S4KV_ENGINE_ARGS = dict(kv_cache_dtype="int4_per_token_head", attention_backend="CUSTOM")
 
 
-@pytest.mark.parametrize("case", ["head_dim_64", "sliding_window_qwen2", "llama2_family", "qwen3_family"])
+@pytest.mark.parametrize("case", ["head_dim_96", "sliding_window_qwen2", "llama2_family", "qwen3_family"])
 def test_engine_check_on_vllm_config(case, tmp_path):
     from s4kv.runtime.config import check_vllm_config
 
@@ -184,6 +196,13 @@ def test_engine_check_accepts_and_reads_engine_flags(tmp_path):
     ok = _vllm_config(model, additional_config={"s4kv": {"scheme": "int4_saw"}}, **S4KV_ENGINE_ARGS)
     assert check_vllm_config(ok) == SAW
     assert check_vllm_config(_vllm_config(model)) is None  # not asked for: S4 KV stays out of the way
+    head_dim_64 = write_model_dir(tmp_path, "llama-3.2-1b", ACCEPTED_MODELS["llama-3.2-1b"])
+    for options in ({"scheme": "int4_kivi"}, {"scheme": "int4_saw"}, {"scheme": "int4_saw", "hadamard_block": 32}):
+        assert check_vllm_config(_vllm_config(head_dim_64, additional_config={"s4kv": options}, **S4KV_ENGINE_ARGS))
+    too_wide = _vllm_config(head_dim_64, additional_config={"s4kv": {"scheme": "int4_saw", "hadamard_block": 128}},
+                            **S4KV_ENGINE_ARGS)
+    with pytest.raises(S4KVConfigError, match="hadamard_block 128 does not divide head_dim 64"):
+        check_vllm_config(too_wide)
     without_backend = _vllm_config(model, kv_cache_dtype="int4_per_token_head",
                                    additional_config={"s4kv": {"scheme": "int4_saw"}})
     with pytest.raises(S4KVConfigError, match="add --attention-backend CUSTOM"):

@@ -4,7 +4,8 @@ int4_saw KV, compared with the same engine's bf16 KV (vLLM's own CPU attention).
 The tiny models memorize their answers (runtime/tiny_model.py), so greedy outputs have wide logit margins and
 int4 KV must reproduce bf16 token for token. Prompts close a 128-token page in chunked prefill, batches mix
 prefill and decode, and a repeated prompt is served from the prefix cache; int4_saw also runs under n-gram
-speculative decoding (int4_kivi refuses it at start-up). About 3-4 minutes per model on 2 cores.
+speculative decoding (int4_kivi refuses it at start-up). The models: head_dim 128 (Qwen2- and Llama-3-shaped) and
+head_dim 64 (Llama-3-shaped). About 3-4 minutes per model on 2 cores.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from s4kv.kernels.layout import BYTES_PER_TOKEN
-from s4kv.runtime.tiny_model import FACTS, LLAMA3, QWEN2, bundled_model_dir
+from s4kv.kernels.layout import bf16_bytes_per_token, bytes_per_token
+from s4kv.runtime.tiny_model import FACTS, LLAMA3, LLAMA3_HEAD64, QWEN2, bundled_model_dir
 
 pytest.importorskip("vllm")
 JOB = Path(__file__).with_name("cpu_engine_job.py")
 SCHEMES = ("bf16", "int4_kivi", "int4_saw", "int4_saw+ngram")
-BF16_BYTES_PER_TOKEN = 512
 
 
 def run_job(model: str) -> dict:
@@ -35,9 +35,11 @@ def run_job(model: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.fixture(scope="module", params=[QWEN2, LLAMA3])
+@pytest.fixture(scope="module", params=[QWEN2, LLAMA3, LLAMA3_HEAD64])
 def engine_results(request) -> dict:
-    return run_job(bundled_model_dir(request.param))
+    model = bundled_model_dir(request.param)
+    config = json.loads(Path(model, "config.json").read_text())
+    return dict(run_job(model), head_dim=config["hidden_size"] // config["num_attention_heads"])
 
 
 def test_bf16_baseline_answers(engine_results):
@@ -57,9 +59,11 @@ def test_int4_matches_bf16(engine_results, scheme):
 
 @pytest.mark.parametrize("scheme", ["int4_kivi", "int4_saw"])
 def test_int4_capacity(engine_results, scheme):
-    # Same KV memory: the number of pages grows by the byte ratio of a token's K+V (512 B bf16, 136 B int4).
+    # Same KV memory: the number of pages grows by the byte ratio of a token's K+V (head_dim 128: 512 B bf16,
+    # 136 B int4; head_dim 64: 256 B and 72 B).
+    head_dim = engine_results["head_dim"]
     ratio = engine_results[scheme]["num_blocks"] / engine_results["bf16"]["num_blocks"]
-    assert ratio == pytest.approx(BF16_BYTES_PER_TOKEN / BYTES_PER_TOKEN, rel=0.01)
+    assert ratio == pytest.approx(bf16_bytes_per_token(head_dim) / bytes_per_token(head_dim), rel=0.01)
 
 
 def test_int4_saw_with_speculative_decoding_matches_bf16(engine_results):

@@ -60,7 +60,7 @@ def test_vllm_loads_the_plugin_through_its_entry_point():
 def test_engine_start_up_rejections(tmp_path):
     """vLLM's LLM(...) with our options fails while it builds the model, naming the cause."""
     base = json.loads((Path(bundled_model_dir(LLAMA3)) / "config.json").read_text())
-    for name, changes in {"head64": {"head_dim": 64}, "llama2": {"vocab_size": 32000, "rope_theta": 10000.0}}.items():
+    for name, changes in {"head96": {"head_dim": 96}, "llama2": {"vocab_size": 32000, "rope_theta": 10000.0}}.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(dict(base, **changes)))
     out = python(f"""
@@ -81,7 +81,7 @@ def test_engine_start_up_rejections(tmp_path):
             s4kv = dict(kv_cache_dtype="int4_per_token_head", additional_config={{"s4kv": {{"scheme": "int4_kivi"}}}})
             custom = dict(attention_config={{"backend": "CUSTOM"}})
             print("RESULT " + json.dumps({{
-                "head64": start("{tmp_path / 'head64'}", **s4kv, **custom),
+                "head96": start("{tmp_path / 'head96'}", **s4kv, **custom),
                 "llama2": start("{tmp_path / 'llama2'}", **s4kv, **custom),
                 "no_custom": start("{bundled_model_dir(LLAMA3)}", **s4kv),
                 "no_kv_dtype": start("{bundled_model_dir(LLAMA3)}",
@@ -89,8 +89,9 @@ def test_engine_start_up_rejections(tmp_path):
             }}))
     """, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     results = json.loads(out.strip().splitlines()[-1][len("RESULT "):])
-    assert results["head64"].startswith("S4KVConfigError: ")
-    assert results["head64"].endswith("head64 has head_dim 64; int4_kivi supports head_dim 128 only.")
+    assert results["head96"].startswith("S4KVConfigError: ")
+    assert results["head96"].endswith("head96 has head_dim 96; int4_kivi supports head_dim 64 and 128 only (its int4 "
+                                      "page and kernels are built for those).")
     family = "llama2 (LlamaForCausalLM, model_type 'llama') is outside the Qwen2, Qwen2.5 and Llama-3"
     assert family in results["llama2"]
     assert "add --attention-backend CUSTOM" in results["no_custom"]

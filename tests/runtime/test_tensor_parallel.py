@@ -96,7 +96,7 @@ def test_backend_is_sized_from_the_heads_of_one_rank(llama70b, tp):
     assert (impl.num_heads, impl.num_kv_heads) == (q_heads, kv_heads)
     # one page per rank holds this rank's KV heads, and vLLM budgets exactly the bytes our layout fills
     shape = S4KVAttentionBackend.get_kv_cache_shape(10, 128, kv_heads, 128, "int4_per_token_head")
-    assert shape == (10, kv_heads, PageLayout(128).page_bytes)
+    assert shape == (10, kv_heads, PageLayout(128, 128).page_bytes)
     assert spec.page_size_bytes == math.prod(shape[1:])
 
 

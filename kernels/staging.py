@@ -1,0 +1,35 @@
+"""int4_kivi's staging pool: the original keys of open blocks, until the block closes per channel.
+
+A KIVI key group is one 128-token page, quantized per channel once all 128 keys are there. Keys arrive over several
+batches (chunked prefill, decode steps), so the keys of a page that is not full yet are kept, in the model's dtype,
+in a pool of slots beside the int4 cache: ``staged_keys[slot, kv_head, offset, :]``, one slot per sequence with an
+open page. The store (reference.store_kv, store.store_kv) closes a page from the batch's own rows plus the pool's
+rows for the offsets earlier batches wrote, then copies the keys of pages still open into their slot. The page's
+bytes are then a function of its 128 keys alone, whatever the write pattern. docs/format.md gives the design: who
+assigns slots, how they are released, what the pool costs in KV capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def allocate_pool(num_slots: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
+                  device) -> torch.Tensor:
+    """An empty staging pool [num_slots, num_kv_heads, block_size, head_dim] of the model's dtype."""
+    return torch.empty(num_slots, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+
+
+def pool_bytes(num_slots: int, num_kv_heads: int, block_size: int, head_dim: int, dtype_bytes: int = 2) -> int:
+    """Bytes of one layer's pool: a page of keys in the model dtype per slot."""
+    return num_slots * num_kv_heads * block_size * head_dim * dtype_bytes
+
+
+def check_staging(staged_keys: torch.Tensor, staging_slots: torch.Tensor, key: torch.Tensor, block_size: int) -> None:
+    """A pool that fits the batch's keys (same heads, head_dim and dtype: the model's keys, unrounded) and a slot
+    entry for every token."""
+    if tuple(staged_keys.shape[1:]) != (key.shape[1], block_size, key.shape[2]) or staged_keys.dtype != key.dtype:
+        raise ValueError(f"staged_keys must be [slots, {key.shape[1]}, {block_size}, {key.shape[2]}] {key.dtype} (the "
+                         f"model's keys, unrounded), got {tuple(staged_keys.shape)} {staged_keys.dtype}")
+    if staging_slots.shape[0] < key.shape[0]:
+        raise ValueError(f"staging_slots holds {staging_slots.shape[0]} entries for {key.shape[0]} tokens")
