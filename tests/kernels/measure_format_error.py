@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # kv_batches and what it imports
-from kv_batches import poisoned_cache  # noqa: E402
+from kv_batches import HEAD_DIM, poisoned_cache  # noqa: E402
 
 from s4kv.kernels import reference as ref  # noqa: E402
-from s4kv.kernels.layout import HEAD_DIM  # noqa: E402
 from s4kv.kernels.scheme import Int4Scheme  # noqa: E402
 
 HEADS, BLOCKS, B = 8, 8, 128
@@ -43,7 +42,7 @@ def stored_keys(keys: torch.Tensor, scheme: Int4Scheme, tokens_per_call: int, se
     for start in range(0, seq_len, tokens_per_call):
         stop = min(seq_len, start + tokens_per_call)
         ref.store_kv(keys[start:stop], keys[start:stop], cache, slots[start:stop], scheme)
-    k_hat, _ = ref.dequantize_sequence(cache, torch.arange(BLOCKS), seq_len, scheme)
+    k_hat, _ = ref.dequantize_sequence(cache, torch.arange(BLOCKS), seq_len, scheme, HEAD_DIM)
     return k_hat
 
 
