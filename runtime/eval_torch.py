@@ -41,11 +41,7 @@ class PagedInt4Cache:
     With ``prefill_tokens`` set, the first ``prefill_tokens`` tokens of the sequences go to ``store_kv`` in one call
     (their prompts' prefill) and every later position in a call of its own (decode steps: an int4_kivi block they
     fill closes staged). None: all new tokens of a forward in one call. Sequence b owns blocks
-    ``b * blocks_per_sequence`` onward, so a block only ever holds one sequence's tokens.
-
-    The reference runs many small tensor ops per stored token; one torch thread does them several times faster
-    than two on a CPU (no per-op hand-off between threads), so the cache switches to one thread while it works and
-    the model's matrix products keep every thread."""
+    ``b * blocks_per_sequence`` onward, so a block only ever holds one sequence's tokens."""
 
     def __init__(self, scheme: Int4Scheme, prefill_tokens: int | None = None):
         self.scheme = scheme
@@ -67,14 +63,6 @@ class PagedInt4Cache:
         return cache
 
     def __call__(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return self._store_and_read(layer_idx, key, value)
-        finally:
-            torch.set_num_threads(threads)
-
-    def _store_and_read(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
         batch, num_kv_heads, length, head_dim = key.shape
         check_head_dim(head_dim)
         stored = self.lengths.get(layer_idx, 0)
