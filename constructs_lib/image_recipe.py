@@ -22,7 +22,8 @@ ROOT_VOLUME_GIB = 100
 
 def component_document(vllm_pip_spec: str, s4kv_pip_spec: str) -> str:
     """The component's YAML document (JSON is YAML). The pip specs are fixed at synth time."""
-    install = f"set -euo pipefail\nVLLM_PIP_SPEC='{vllm_pip_spec}'\nS4KV_PIP_SPEC='{s4kv_pip_spec}'\n" + install_script()
+    install = (f"set -euo pipefail\nVLLM_PIP_SPEC='{vllm_pip_spec}'\nS4KV_PIP_SPEC='{s4kv_pip_spec}'\n"
+               + install_script())
     check = ("/opt/s4kv/venv/bin/python -c \"import vllm, s4kv.runtime; "
              "assert vllm.__version__ == '" + vllm_pip_spec.split("==")[-1] + "', vllm.__version__\"")
     return json.dumps({
@@ -32,8 +33,9 @@ def component_document(vllm_pip_spec: str, s4kv_pip_spec: str) -> str:
         "phases": [
             {"name": "build", "steps": [{"name": "InstallRuntime", "action": "ExecuteBash",
                                          "inputs": {"commands": [install]}}]},
-            {"name": "validate", "steps": [{"name": "CheckRuntime", "action": "ExecuteBash",
-                                            "inputs": {"commands": [check, "test -f /etc/systemd/system/s4kv.service"]}}]},
+            {"name": "validate", "steps": [{
+                "name": "CheckRuntime", "action": "ExecuteBash",
+                "inputs": {"commands": [check, "test -f /etc/systemd/system/s4kv.service"]}}]},
         ],
     }, indent=1)
 

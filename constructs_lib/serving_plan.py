@@ -3,14 +3,14 @@
 The model is fixed when the template is synthesized; the instance type and the scheme are template
 parameters. So every catalog instance type on which the model fits (in int4 and in bf16) gets a row
 with its vLLM settings for each KV format and its capacity estimate, and the template picks its row
-with Fn::FindInMap. The rows come from ``s4kv capacity`` (runtime/capacity.py): one source of truth.
+with Fn::FindInMap. The rows come from ``s4kv capacity`` (runtime/sizing/capacity.py): one source of truth.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from s4kv.runtime import capacity, catalog, model_shapes
+from s4kv.runtime.sizing import capacity, catalog, model_shapes
 
 MAPPING_NAME = "ServingPlans"
 

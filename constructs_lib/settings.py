@@ -12,8 +12,8 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from s4kv.runtime import catalog
-from s4kv.runtime.capacity import SCHEME_FORMAT
+from s4kv.runtime.schemes import DEFAULT_SCHEME, SCHEME_FORMAT, ServedScheme
+from s4kv.runtime.sizing import catalog
 
 FLAVOURS = ("dlami", "marketplace")
 DEFAULT_MODEL = "Qwen/Qwen2.5-7B-Instruct"
@@ -30,7 +30,7 @@ MODEL_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?$")  # a Hugg
 class DeploySettings:
     model_id: str = DEFAULT_MODEL
     instance_type: str = DEFAULT_INSTANCE
-    scheme: str = "int4_kivi"
+    scheme: ServedScheme = DEFAULT_SCHEME
     allowed_cidr: str | None = None
     regions: tuple[str, ...] = ()
     flavour: str = "dlami"
@@ -40,7 +40,7 @@ class DeploySettings:
 
     @property
     def model_source(self) -> str:
-        """What sizes the model (runtime/model_shapes.py): its config.json if given, else its id."""
+        """What sizes the model (runtime/sizing/model_shapes.py): its config.json if given, else its id."""
         return self.model_config or self.model_id
 
     def __post_init__(self) -> None:
@@ -68,11 +68,13 @@ class DeploySettings:
             return default if value in (None, "") else value
 
         regions = get("regions", "")
-        regions = tuple(r.strip() for r in regions.split(",") if r.strip()) if isinstance(regions, str) else tuple(regions)
+        if isinstance(regions, str):
+            regions = (r.strip() for r in regions.split(",") if r.strip())
+        regions = tuple(regions)
         return cls(
             model_id=get("modelId", DEFAULT_MODEL),
             instance_type=get("instanceType", DEFAULT_INSTANCE),
-            scheme=get("scheme", "int4_kivi"),
+            scheme=get("scheme", DEFAULT_SCHEME),
             allowed_cidr=get("allowedCidr"),
             regions=regions,
             flavour=get("flavour", "dlami"),

@@ -55,7 +55,7 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
               "subnormal+ptx": {"subnormal_codes": True, "ptx_unpack": True}}
 
 # measured on the H200 (docs/performance.md, tuning log): each scheme's fastest code path at batch 32-256 in the
-# kernel table of 2026-11-30 (session 5), launch shape from tools/tune_attention.py
+# kernel table of 2026-11-30, launch shape from tools/device/tune_attention.py
 DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3, subnormal_codes=True, ptx_unpack=True),
                  "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=3, subnormal_codes=False, ptx_unpack=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)

@@ -89,7 +89,8 @@ def _gather_dense_kernel(
         k_lo = tl.where(cached[:, None], k_lo, tl.load(key_rows, mask=fresh[:, None], other=0.0).to(tl.float32))
         k_hi = tl.where(cached[:, None], k_hi, tl.load(key_rows + HALF, mask=fresh[:, None], other=0.0).to(tl.float32))
         v_lo = tl.where(cached[:, None], v_lo, tl.load(value_rows, mask=fresh[:, None], other=0.0).to(tl.float32))
-        v_hi = tl.where(cached[:, None], v_hi, tl.load(value_rows + HALF, mask=fresh[:, None], other=0.0).to(tl.float32))
+        v_hi = tl.where(cached[:, None], v_hi,
+                        tl.load(value_rows + HALF, mask=fresh[:, None], other=0.0).to(tl.float32))
 
         dst = (tl.load(cu_seqlens_k_ptr + seq) + pos).to(tl.int64)
         live = (pos < seq_len)[:, None]

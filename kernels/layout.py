@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from s4kv.runtime.schemes import KV_FORMATS, SUPPORTED_HEAD_DIMS
+
 # The kernels split a head into two halves of head_dim / 2 channels, each a power of two of at least 16 (Triton
 # ranges and tensor-core dots), and a closed KIVI block keeps head_dim per-channel (scale, min) pairs in the
 # 4 bytes per token of its K params: head_dim <= 128. 64 and 128 are the sizes built and tested.
-SUPPORTED_HEAD_DIMS = (64, 128)
 PARAM_BYTES = 4  # (fp16 scale, fp16 min) of one vector
 KIVI_BLOCK_SIZE = 128  # a KIVI key group is one page: its channels' (scale, min) fill the K params
 
@@ -41,12 +42,7 @@ def check_head_dim(head_dim: int) -> None:
 
 def bytes_per_token(head_dim: int) -> int:
     """int4 bytes of one token's K and V for one KV head: codes for both plus the two (scale, min) pairs."""
-    return head_dim + 2 * PARAM_BYTES
-
-
-def bf16_bytes_per_token(head_dim: int) -> int:
-    """bf16 bytes of one token's K and V for one KV head (vLLM's ``auto`` cache), for capacity ratios."""
-    return 2 * 2 * head_dim
+    return KV_FORMATS["int4"].bytes_per_head_token(head_dim)
 
 
 @dataclass(frozen=True)

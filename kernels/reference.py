@@ -80,7 +80,8 @@ class PageViews:
 
     def __init__(self, kv_cache: torch.Tensor, head_dim: int):
         if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3:
-            raise ValueError(f"kv_cache must be uint8 [blocks, kv_heads, page_bytes], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+            raise ValueError(
+                f"kv_cache must be uint8 [blocks, kv_heads, page_bytes], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
         lay = PageLayout.of_cache(kv_cache, head_dim)
         nb, nh, _ = kv_cache.shape
         b = self.block_size = lay.block_size

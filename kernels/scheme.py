@@ -7,18 +7,15 @@ from typing import Any, Mapping
 
 import torch
 
+from s4kv.runtime.schemes import KIVI, SAW, SAW_HADAMARD_BLOCKS, SCHEME_OPTIONS, SCHEMES, SchemeName
+
 from .hadamard import block_hadamard
 
-KIVI = "int4_kivi"
-SAW = "int4_saw"
-SCHEMES = (KIVI, SAW)
-SAW_HADAMARD_BLOCKS = (32, 64, 128)
-_OPTIONS = {KIVI: {"scheme"}, SAW: {"scheme", "hadamard_block", "rotate_values"}}
 
 
 @dataclass(frozen=True)
 class Int4Scheme:
-    name: str
+    name: SchemeName
     # None: one Hadamard over the whole head (128 or 64 channels); int4_kivi always stages its open block's keys so
     hadamard_block: int | None = None
     rotate_values: bool = False
@@ -41,10 +38,10 @@ class Int4Scheme:
         name = options["scheme"]
         if name not in SCHEMES:
             raise ValueError(f"unknown s4kv scheme {name!r}: choose one of {', '.join(SCHEMES)}")
-        unknown = set(options) - _OPTIONS[name]
+        unknown = set(options) - SCHEME_OPTIONS[name]
         if unknown:
             raise ValueError(
-                f"unknown option(s) {sorted(unknown)} for {name}; allowed: {sorted(_OPTIONS[name])}"
+                f"unknown option(s) {sorted(unknown)} for {name}; allowed: {sorted(SCHEME_OPTIONS[name])}"
             )
         rotate_values = options.get("rotate_values", False)
         if not isinstance(rotate_values, bool):

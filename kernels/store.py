@@ -93,7 +93,8 @@ def _kivi_close_kernel(
                 from_pool = (fresh == 0) & (pool_slot >= 0)
                 staged = (staged_ptr + pool_slot * staged_stride_slot + head * staged_stride_head
                           + t[:, None] * (2 * HALF) + ch[None, :])
-                k_lo = tl.where(fresh[:, None], k_lo, tl.load(staged, mask=from_pool[:, None], other=0.0).to(tl.float32))
+                k_lo = tl.where(fresh[:, None], k_lo,
+                                tl.load(staged, mask=from_pool[:, None], other=0.0).to(tl.float32))
                 k_hi = tl.where(fresh[:, None], k_hi,
                                 tl.load(staged + HALF, mask=from_pool[:, None], other=0.0).to(tl.float32))
                 # a block begun in an earlier batch without a staging slot: NaN scales make the bug visible

@@ -116,7 +116,7 @@ def fetch(name: str) -> Path:
     return folder
 
 
-def resolve(model: str) -> str:
+def resolve_packaged(model: str) -> str:
     """A model argument as given (a folder or a hub id), or the converted folder when it names a packaged model."""
     if model in PACKAGED_MODELS and not Path(model).exists():
         return str(fetch(model))

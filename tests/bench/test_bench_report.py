@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from s4kv.runtime import bench_report
-from s4kv.runtime.bench_engine import RESULT_PREFIX
-from s4kv.runtime.bench_matrix import FULL_CARD, WORKLOADS
+from s4kv.runtime.bench import report as bench_report
+from s4kv.runtime.bench.engine import RESULT_PREFIX
+from s4kv.runtime.bench.matrix import FULL_CARD, WORKLOADS
 
 # issue 4's measured baseline (H200, vLLM 0.26.0): capacity, short tok/s, long wall s
 ISSUE_NUMBERS = {

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from bench_helpers import bench_args
 
-from s4kv.runtime import bench
-from s4kv.runtime.bench_engine import FIRST_SPECIAL_TOKEN, token_prompts
-from s4kv.runtime.bench_matrix import FORMATS, WORKLOADS, engine_groups, expected_engine_s, parse_names
+from s4kv.runtime.bench import runner as bench
+from s4kv.runtime.bench.engine import FIRST_SPECIAL_TOKEN, token_prompts
+from s4kv.runtime.bench.matrix import FORMATS, WORKLOADS, engine_groups, expected_engine_s, parse_names
 
 # Prints what vLLM and bench_engine print; capacity and speed depend on the format, s4kv_saw crashes.
 FAKE_ENGINE = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""tools/device_pair.sh on the CPU: each job gets its own GPU and OUT folder, both come back in one archive, and a
+"""tools/device/pair.sh on the CPU: each job gets its own GPU and OUT folder, both come back in one archive, and a
 failing job fails the call (what the 2-GPU device calls rely on)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_pair(tmp_path, job0, job1):
-    return subprocess.run(["bash", str(REPO / "tools/device_pair.sh"), job0, job1], env={"OUT": str(tmp_path),
+    return subprocess.run(["bash", str(REPO / "tools/device/pair.sh"), job0, job1], env={"OUT": str(tmp_path),
                           "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
 
 
@@ -37,13 +37,13 @@ def test_a_failing_job_fails_the_call_and_keeps_the_other_jobs_output(tmp_path):
 
 
 def test_usage_needs_two_jobs(tmp_path):
-    one = subprocess.run(["bash", str(REPO / "tools/device_pair.sh"), "true"], env={"OUT": str(tmp_path)},
+    one = subprocess.run(["bash", str(REPO / "tools/device/pair.sh"), "true"], env={"OUT": str(tmp_path)},
                          capture_output=True, text=True, timeout=60)
     assert one.returncode == 2 and "usage" in one.stdout
 
 
 def test_a_call_cut_at_its_limit_still_returns_one_archive(tmp_path):
-    pair = subprocess.Popen(["bash", str(REPO / "tools/device_pair.sh"), "echo early > $OUT/early.txt; sleep 30",
+    pair = subprocess.Popen(["bash", str(REPO / "tools/device/pair.sh"), "echo early > $OUT/early.txt; sleep 30",
                              "sleep 30"], env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
     deadline = time.monotonic() + 10
     while not (tmp_path / "gpu0" / "early.txt").exists() and time.monotonic() < deadline:

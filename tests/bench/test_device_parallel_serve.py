@@ -1,5 +1,5 @@
-"""tools/device_parallel.sh's `serve` step without a GPU: stand-ins for nvidia-smi and for the server worker of
-tools/device_plugin_e2e.py (a fake python3 that prints the worker's RESULT line) check that both servers start
+"""tools/device/parallel.sh's `serve` step without a GPU: stand-ins for nvidia-smi and for the server worker of
+tools/device/plugin_e2e.py (a fake python3 that prints the worker's RESULT line) check that both servers start
 side by side with the right layout flags, that their results land in $OUT/serve.json and the logs tarball, and
 that one failed check fails the step with its name, and that a step with too little time left is skipped, not
 started with a timeout it cannot meet."""
@@ -21,14 +21,16 @@ if [ "$1" = - ]; then exec {python} "$@"; fi
 echo "argv: $*"
 stop=true
 case "$*" in *data-parallel-size*) [ -n "${{FAIL_DP:-}}" ] && stop=false;; esac
-echo "RESULT {{\\"startup_s\\": 1.0, \\"kv_line\\": \\"986,880\\", $(printf '\\"%s\\": true, ' {checks}) \\"stop\\": $stop}}"
+checks="$(printf '\\"%s\\": true, ' {checks})"
+echo "RESULT {{\\"startup_s\\": 1.0, \\"kv_line\\": \\"986,880\\", $checks \\"stop\\": $stop}}"
 """
 
 
 def run_serve(tmp_path: Path, fail_dp: bool, limit_s: int = 300) -> tuple[subprocess.CompletedProcess, Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\n[ \"$1\" = -L ] && printf 'GPU 0: H200\\nGPU 1: H200\\n'\n"
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\n"
+                                        "[ \"$1\" = -L ] && printf 'GPU 0: H200\\nGPU 1: H200\\n'\n"
                                         "exit 0\n")
     checks = " ".join(c for c in CHECKS if c != "stop")
     (bin_dir / "python3").write_text(FAKE_PYTHON.format(python=sys.executable, checks=checks))
@@ -36,7 +38,7 @@ def run_serve(tmp_path: Path, fail_dp: bool, limit_s: int = 300) -> tuple[subpro
         tool.chmod(0o755)
     vllm_site = tmp_path / "site"
     (vllm_site / "vllm").mkdir(parents=True, exist_ok=True)
-    (vllm_site / "vllm" / "__init__.py").write_text("")  # "installed": device_env.sh skips the bundle
+    (vllm_site / "vllm" / "__init__.py").write_text("")  # "installed": tools/device/env.sh skips the bundle
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), VLLM_SITE=str(vllm_site),
@@ -44,7 +46,8 @@ def run_serve(tmp_path: Path, fail_dp: bool, limit_s: int = 300) -> tuple[subpro
     env.pop("DRY_RUN", None)
     if fail_dp:
         env["FAIL_DP"] = "1"
-    done = subprocess.run(["bash", str(REPO / "tools" / "device_parallel.sh"), "serve"], env=env, capture_output=True,
+    script = str(REPO / "tools" / "device" / "parallel.sh")
+    done = subprocess.run(["bash", script, "serve"], env=env, capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     return done, out
 

@@ -1,18 +1,18 @@
-"""tools/plot_kernels.py on the committed H200 kernel results: the numbers it plots and the image it writes."""
+"""tools/device/plot_kernels.py on the committed H200 kernel results: the numbers it plots and the image it writes."""
 
 import json
 from pathlib import Path
 
 import pytest
-from repo_tools import load_tool
+from tools.device import plot_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "docs" / "results" / "2026-11-30-h200-s2" / "call1_kernels.json"
+RESULTS = ROOT / "docs" / "archive" / "2026-11-30-h200-s2" / "call1_kernels.json"
 
 
 @pytest.fixture(scope="module")
 def pk():
-    return load_tool("plot_kernels")
+    return plot_kernels
 
 
 def test_series_are_fa3_time_over_each_methods_time(pk):

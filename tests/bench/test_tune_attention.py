@@ -1,4 +1,4 @@
-"""CPU run of tools/tune_attention.py's sweep on tiny shapes (Triton interpreter, fp16, a stand-in timer): the
+"""CPU run of tools/device/tune_attention.py's sweep on tiny shapes (Triton interpreter, fp16, a stand-in timer): the
 logic a GPU call relies on, checked before device time is spent on it. The timings are the GPU's business."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
-from repo_tools import load_tool
+from tools.device import tune_attention
 
 needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real sweep")
 
 
 @pytest.fixture(scope="module")
 def tune():
-    return load_tool("tune_attention")
+    return tune_attention
 
 
 def tiny_sweep(tune):

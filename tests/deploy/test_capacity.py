@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from deploy_support import REPO
-from s4kv.runtime import capacity, catalog, model_shapes
+from s4kv.runtime.sizing import capacity, catalog, model_shapes
 
 QWEN7B_CONFIG = REPO / "configs" / "qwen2.5-7b-instruct.json"
 
@@ -32,7 +32,8 @@ def test_catalog_matches_the_ec2_api_figures():
     for name, row in catalog.CATALOG.items():
         info = api[name]
         [gpu] = info["GpuInfo"]["Gpus"]
-        assert (row.gpu_model, row.gpu_count, row.gpu_mib) == (gpu["Name"], gpu["Count"], gpu["MemoryInfo"]["SizeInMiB"])
+        want = (gpu["Name"], gpu["Count"], gpu["MemoryInfo"]["SizeInMiB"])
+        assert (row.gpu_model, row.gpu_count, row.gpu_mib) == want
         assert (row.vcpus, row.memory_mib) == (info["VCpuInfo"]["DefaultVCpus"], info["MemoryInfo"]["SizeInMiB"])
     assert catalog.CATALOG["g5.xlarge"].gpu_mib == catalog.CATALOG["g6.xlarge"].gpu_mib == 22888
     assert "p5" in families

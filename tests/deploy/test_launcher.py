@@ -34,7 +34,8 @@ def test_launcher_execs_the_server_with_the_plan_flags_and_the_key_in_env(tmp_pa
     env_file.write_text(
         "S4KV_MODEL='Qwen/Qwen2.5-7B-Instruct'\n"
         f"S4KV_SCHEME='{scheme}'\n"
-        "S4KV_VLLM_ARGS='--tensor-parallel-size 1 --data-parallel-size 4 --max-model-len 32768 --gpu-memory-utilization 0.9'\n"
+        "S4KV_VLLM_ARGS='--tensor-parallel-size 1 --data-parallel-size 4 --max-model-len 32768 "
+        "--gpu-memory-utilization 0.9'\n"
         "S4KV_EXTRA_ARGS='--enable-prefix-caching'\n"
         "S4KV_API_KEY_SECRET_ARN='arn:aws:secretsmanager:us-east-1:123456789012:secret:s4kv-AbCdEf'\n"
         "S4KV_LOG_GROUP='logs'\nAWS_REGION='us-east-1'\nS4KV_PORT='8000'\n")
@@ -51,7 +52,8 @@ def test_launcher_execs_the_server_with_the_plan_flags_and_the_key_in_env(tmp_pa
     assert (tmp_path / "server.key").read_text().strip() == KEY  # vLLM reads VLLM_API_KEY
     assert (tmp_path / "aws.argv").read_text().split() == [
         "secretsmanager", "get-secret-value", "--region", "us-east-1", "--secret-id",
-        "arn:aws:secretsmanager:us-east-1:123456789012:secret:s4kv-AbCdEf", "--query", "SecretString", "--output", "text"]
+        "arn:aws:secretsmanager:us-east-1:123456789012:secret:s4kv-AbCdEf",
+        "--query", "SecretString", "--output", "text"]
 
 
 def test_launcher_fails_when_the_secret_cannot_be_read(tmp_path):

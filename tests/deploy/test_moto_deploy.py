@@ -116,7 +116,7 @@ def _user_data(moto, instance_id: str, region: str = REGIONS[0]) -> str:
 
 
 def _env_value(user_data: str, name: str) -> str:
-    line = next(l for l in user_data.splitlines() if l.startswith(f"{name}="))
+    line = next(row for row in user_data.splitlines() if row.startswith(f"{name}="))
     return line.split("=", 1)[1].strip("'")
 
 
@@ -210,7 +210,8 @@ def test_stack_set_over_the_regions(moto):
     # through the CDK CLI below.)
     for region in REGIONS:
         stacks = moto.client("cloudformation", region).describe_stacks()["Stacks"]
-        _undo_what_moto_cannot_delete(moto, next(s["StackName"] for s in stacks if "s4kv-fleet" in s["StackName"]), region)
+        fleet_stack = next(s["StackName"] for s in stacks if "s4kv-fleet" in s["StackName"])
+        _undo_what_moto_cannot_delete(moto, fleet_stack, region)
     cfn.delete_stack_instances(StackSetName="s4kv-fleet", Accounts=[moto.account], Regions=list(REGIONS),
                                RetainStacks=False)
     assert cfn.list_stack_instances(StackSetName="s4kv-fleet")["Summaries"] == []

@@ -42,7 +42,8 @@ def test_security_group_allows_only_port_8000_from_the_cidr_parameter(serving):
     assert [{k: v for k, v in rule.items() if k != "Description"} for rule in ingress] == [
         {"CidrIp": {"Ref": "AllowedCidr"}, "FromPort": 8000, "IpProtocol": "tcp", "ToPort": 8000}]
     assert "Default" not in template["Parameters"]["AllowedCidr"], "the CIDR must have no default"
-    egress_ports = sorted(rule["FromPort"] for rule in _only(template, "AWS::EC2::SecurityGroup")["SecurityGroupEgress"])
+    egress = _only(template, "AWS::EC2::SecurityGroup")["SecurityGroupEgress"]
+    egress_ports = sorted(rule["FromPort"] for rule in egress)
     assert egress_ports == [80, 443]
 
 
@@ -59,7 +60,8 @@ def test_imdsv2_required_and_root_volume_encrypted_gp3_sized_by_parameter(servin
     Template.from_json(template).has_resource_properties("AWS::EC2::Instance", {
         "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
         "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {
-            "Encrypted": True, "VolumeType": "gp3", "VolumeSize": {"Ref": "RootVolumeGiB"}, "DeleteOnTermination": True}}],
+            "Encrypted": True, "VolumeType": "gp3", "VolumeSize": {"Ref": "RootVolumeGiB"},
+            "DeleteOnTermination": True}}],
         "Monitoring": True,
     })
 
@@ -145,7 +147,7 @@ def test_outputs_explain_endpoint_key_and_capacity(serving):
 
 
 def test_mapping_rows_are_the_capacity_plans(synthesis):
-    from s4kv.runtime import capacity, catalog, model_shapes
+    from s4kv.runtime.sizing import capacity, catalog, model_shapes
 
     model = model_shapes.load("Qwen/Qwen2.5-7B-Instruct")
     plans = synthesis.template("S4kvServing")["Mappings"]["ServingPlans"]

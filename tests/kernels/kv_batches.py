@@ -10,7 +10,8 @@ import torch
 from attention_oracle import causal_attention
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.layout import SUPPORTED_HEAD_DIMS, PageLayout, cache_shape
+from s4kv.kernels.layout import PageLayout, cache_shape
+from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 
 NULL_BLOCK = 0  # never handed to a sequence: it stays poisoned, and block-table padding points at it

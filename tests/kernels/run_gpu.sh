@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/s4kv-kernel-tests}
 export OUT
 mkdir -p "$OUT"
 if ! python3 -c "import s4kv.kernels" 2>/dev/null; then
-  S4KV_NEEDS_VLLM=0 . tools/device_env.sh  # not installed there: the s4kv import shim
+  S4KV_NEEDS_VLLM=0 . tools/device/env.sh  # not installed there: the s4kv import shim
 fi
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
 timeout 540 python -m pytest tests/kernels -s -q -p no:cacheprovider --durations=10 \

@@ -15,7 +15,7 @@ from kv_batches import cache_with_prefix, make_paged_batch, relative_error, sche
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SplitWorkspace, paged_attention
-from s4kv.kernels.layout import SUPPORTED_HEAD_DIMS
+from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
 
@@ -229,7 +229,8 @@ def test_any_page_size_is_read_right_or_rejected(gen, kernel_device, block_size)
 def test_bad_inputs_get_clear_errors(gen, kernel_device):
     query = torch.zeros(2, 6, 128, dtype=torch.float16, device=kernel_device)
     cache = torch.zeros(3, 4, 128 * 136, dtype=torch.uint8, device=kernel_device)
-    args = (torch.zeros(2, 2, dtype=torch.int32, device=kernel_device), torch.ones(2, dtype=torch.int32, device=kernel_device),
+    args = (torch.zeros(2, 2, dtype=torch.int32, device=kernel_device),
+            torch.ones(2, dtype=torch.int32, device=kernel_device),
             torch.arange(3, dtype=torch.int32, device=kernel_device), 1, SOFTMAX_SCALE)
     with pytest.raises(ValueError, match="multiple of 4"):
         paged_attention(query, cache, *args, SCHEMES["saw128"], torch.empty_like(query))

@@ -57,7 +57,8 @@ def test_gather_dense_kv_matches_reference(gen, kernel_device, scheme_name, head
         rows = slice(int(cu_seqlens_k[j]), int(cu_seqlens_k[j + 1]))
         q_len = starts[i + 1] - starts[i]
         for name, got, want in (("K", dense_k[rows], ks[j]), ("V", dense_v[rows], vs[j])):
-            assert torch.equal(got[-q_len:], want[-q_len:].half()), f"sequence {i}: fresh {name} rows not copied exactly"
+            assert torch.equal(got[-q_len:], want[-q_len:].half()), (
+                f"sequence {i}: fresh {name} rows not copied exactly")
             torch.testing.assert_close(got[:-q_len].float(), want[:-q_len], rtol=2e-3, atol=2e-3,
                                        msg=lambda m: f"sequence {i}, cached {name} prefix: {m}")
 

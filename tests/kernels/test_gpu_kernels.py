@@ -1,10 +1,11 @@
 """The Triton kernels at real sizes on a GPU (marker ``gpu``, skipped without CUDA, never in CI).
 
 Qwen2.5-7B attention shape (28 query heads, 4 KV heads, head_dim 128) and Llama-3.2-1B shape (32 query heads, 8 KV
-heads, head_dim 64), contexts 1k-8k, up to 64 sequences, bf16 and fp16. Checks: store bytes against the reference, attention against the reference, attention against
-attention over the unquantized K/V (the quality cost of each scheme; ``pytest -s`` prints the table, and with
-``$OUT`` set it is also written to ``$OUT/kernel_errors.md``), and CUDA-graph capture/replay of store+attention
-giving exactly the eager result. About two minutes on an H200, most of it the torch reference.
+heads, head_dim 64), contexts 1k-8k, up to 64 sequences, bf16 and fp16. Checks: store bytes against the reference,
+attention against the reference, attention against attention over the unquantized K/V (the quality cost of each
+scheme; ``pytest -s`` prints the table, and with ``$OUT`` set it is also written to ``$OUT/kernel_errors.md``), and
+CUDA-graph capture/replay of store+attention giving exactly the eager result. About two minutes on an H200 per head
+shape, most of it the torch reference.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def bf16_attention(batch, softmax_scale: float) -> torch.Tensor:
     for i, (k, v) in enumerate(zip(batch.seq_keys, batch.seq_values)):
         q = batch.query[starts[i] : starts[i + 1]].bfloat16()
         seq_len, q_len = k.shape[0], q.shape[0]
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        key_pos = torch.arange(seq_len, device=q.device)
+        mask = key_pos[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.bfloat16().transpose(0, 1)[None],
                                              v.bfloat16().transpose(0, 1)[None], attn_mask=mask,
                                              scale=softmax_scale, enable_gqa=True)
@@ -144,7 +146,8 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
     baseline = bf16_attention(batch, softmax_scale)
     quant_err = relative_error(out, baseline)
     bf16_err = relative_error(baseline, unquantized_attention(batch, softmax_scale))
-    error_table.append(f"| {shape} | {dtype_name} | {scheme_name} | {codes} | {kind} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
+    error_table.append(f"| {shape} | {dtype_name} | {scheme_name} | {codes} | "
+                       f"{kind} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
                        f"| {kernel_err:.2e} | {quant_err:.3f} | {bf16_err:.1e} | {mismatch:.2%} |")
     assert kernel_err < MAX_KERNEL_ERR[dtype_name], f"kernel vs reference {kernel_err:.2e}"
     assert quant_err < MAX_QUANT_ERR, f"kernel vs unquantized bf16 attention {quant_err:.3f}"

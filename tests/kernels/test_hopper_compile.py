@@ -1,7 +1,7 @@
 """Every kernel launch the backend makes compiles for Hopper (sm_90), checked on a machine with no GPU.
 
 The interpreter tests run the kernels' Python; what only the GPU compiler rejects they cannot see (see
-tools/hopper_compile.py). This runs the real wrappers with launches made compile-only, in a process without
+tools/device/hopper_compile.py). This runs the real wrappers with launches made compile-only, in a process without
 TRITON_INTERPRET, so a kernel that would fail to compile on the H200 fails here first.
 """
 

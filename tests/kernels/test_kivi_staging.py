@@ -17,7 +17,8 @@ import torch
 from kv_batches import entry_bytes, poisoned_cache, random_keys, random_values
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.layout import KIVI_BLOCK_SIZE, SUPPORTED_HEAD_DIMS, PageLayout
+from s4kv.kernels.layout import KIVI_BLOCK_SIZE, PageLayout
+from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 
 KIVI = Int4Scheme("int4_kivi")
@@ -31,7 +32,8 @@ DTYPE = torch.bfloat16
 def poisoned_pool(gen: torch.Generator, head_dim: int) -> torch.Tensor:
     """A staging pool full of garbage (NaN and huge values among them): a close that reads a slot row nobody wrote
     this block's key into turns the block's params into garbage, and the byte comparison fails."""
-    bits = torch.randint(-2**15, 2**15, (NUM_STAGING_SLOTS, NUM_KV_HEADS, B, head_dim), generator=gen, dtype=torch.int16)
+    shape = (NUM_STAGING_SLOTS, NUM_KV_HEADS, B, head_dim)
+    bits = torch.randint(-2**15, 2**15, shape, generator=gen, dtype=torch.int16)
     return bits.view(DTYPE)
 
 

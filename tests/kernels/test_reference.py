@@ -23,9 +23,9 @@ from kv_batches import (
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.hadamard import block_hadamard, sylvester_hadamard
-from s4kv.kernels.layout import (SUPPORTED_HEAD_DIMS, PageLayout, bf16_bytes_per_token, bytes_per_token, cache_shape,
-                                  check_head_dim)
+from s4kv.kernels.layout import PageLayout, bytes_per_token, cache_shape, check_head_dim
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.runtime.schemes import KV_FORMATS, SUPPORTED_HEAD_DIMS
 
 KIVI = Int4Scheme.parse({"scheme": "int4_kivi"})
 SAW_SCHEMES = [
@@ -50,7 +50,8 @@ def assert_round_trip_bound(x: torch.Tensor, x_hat: torch.Tensor, scale: torch.T
     bound = scale.float() * (0.5 + 2.0**-7) + (lo.float() - minimum.float()).abs() + 1e-6 * x.abs().amax()
     err = (x.float() - x_hat).abs()
     worst = (err - bound).argmax()
-    assert (err <= bound).all(), f"round-trip error {err.flatten()[worst]:.4g} > bound {bound.expand_as(err).flatten()[worst]:.4g}"
+    assert (err <= bound).all(), (
+        f"round-trip error {err.flatten()[worst]:.4g} > bound {bound.expand_as(err).flatten()[worst]:.4g}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -131,7 +132,8 @@ def test_nonfinite_or_fp16_overflowing_input_gives_a_nan_scale(gen, bad):
     x_hat = ref.dequantize_per_token(codes, scale, minimum)
     assert torch.isnan(x_hat[2]).all()
     good = [0, 1, 3, 4]
-    assert_round_trip_bound(x[good], x_hat[good], scale[good, None], minimum[good, None], x[good].amin(-1, keepdim=True))
+    assert_round_trip_bound(x[good], x_hat[good], scale[good, None], minimum[good, None],
+                            x[good].amin(-1, keepdim=True))
 
     codes, scale, minimum = ref.quantize_per_channel(x)
     assert torch.isnan(scale[17]) and torch.isfinite(scale[torch.arange(HEAD_DIM) != 17]).all()
@@ -254,9 +256,10 @@ def test_page_layout_regions_tile_the_page(block_size, head_dim):
 
 def test_bytes_per_token_and_density_against_bf16():
     """docs/format.md's density table: vLLM's int4_per_token_head budget, head_dim + 8 bytes."""
+    bf16 = KV_FORMATS["bf16"].bytes_per_head_token
     assert [bytes_per_token(d) for d in (64, 128)] == [72, 136]
-    assert [bf16_bytes_per_token(d) for d in (64, 128)] == [256, 512]
-    assert [round(bf16_bytes_per_token(d) / bytes_per_token(d), 2) for d in (64, 128)] == [3.56, 3.76]
+    assert [bf16(d) for d in (64, 128)] == [256, 512]
+    assert [round(bf16(d) / bytes_per_token(d), 2) for d in (64, 128)] == [3.56, 3.76]
 
 
 @pytest.mark.parametrize("block_size", [0, 8, 100, -16])
@@ -317,7 +320,8 @@ def stored_keys_rotated(cache, slots, head_dim):
     pages = ref.PageViews(cache, head_dim)
     blk, off = slots // pages.block_size, slots % pages.block_size
     params = pages.k_params[blk, :, off]
-    return ref.dequantize_per_token(ref.unpack_nibbles(pages.k_codes[blk, :, off]), params[..., 0], params[..., 1]), params
+    codes = ref.unpack_nibbles(pages.k_codes[blk, :, off])
+    return ref.dequantize_per_token(codes, params[..., 0], params[..., 1]), params
 
 
 @pytest.mark.parametrize("scheme,head_dim", SCHEMES_BY_HEAD_DIM)
@@ -401,7 +405,8 @@ def test_kivi_block_filled_in_one_batch_is_per_channel_from_the_original_keys(ge
         codes, scale, minimum = closed_block(cache, blk, head_dim)
         for h in range(2):
             want = ref.quantize_per_channel(keys[128 * j : 128 * (j + 1), h])
-            assert torch.equal(codes[h], want[0]) and torch.equal(scale[h], want[1]) and torch.equal(minimum[h], want[2])
+            assert torch.equal(codes[h], want[0]) and torch.equal(scale[h], want[1])
+            assert torch.equal(minimum[h], want[2])
         # below head_dim 128 the K params past the channels' are cleared: the block's bytes are its keys' alone
         assert (ref.PageViews(cache, head_dim).k_params[blk, :, head_dim:] == 0).all()
     assert not ref.staged_flags(ref.PageViews(cache, head_dim).k_params[batch.block_table[0, :2].long()]).any()

@@ -1,4 +1,4 @@
-"""The decode loop's compiled shape for sm_90, checked on a machine with no GPU (tools/sass_stats.py).
+"""The decode loop's compiled shape for sm_90, checked on a machine with no GPU (tools/device/sass_stats.py).
 
 Not a speed test: these are the structural properties docs/performance.md ("Static instruction counts") builds its
 prediction on, guarded so that a later change cannot silently undo them. V's tensor-core fragments come from

@@ -12,7 +12,7 @@ from kv_batches import (HEAD_DIM, assert_caches_match, cache_with_prefix, make_p
                         random_keys, scheme_head_dims)
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.layout import SUPPORTED_HEAD_DIMS
+from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
 

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 from quality_helpers import heldout_texts, save_tiny
-from repo_tools import load_tool
+from tools.reference_models import build_corpus
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory) -> Path:
     """A 512-token BPE trained on the held-out text, the same way build_corpus.py trains the real one."""
-    build_corpus = load_tool("build_corpus")
     folder = tmp_path_factory.mktemp("tokenizer")
     with lzma.open(folder / "text.xz", "wt", encoding="utf-8") as f:
         for text in heldout_texts():

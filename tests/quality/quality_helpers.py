@@ -49,5 +49,5 @@ def packaged_model(name: str) -> Path:
 def committed_model(name: str) -> Path:
     folder = REPO / "models" / name
     if not (folder / "config.json").exists():
-        pytest.skip(f"models/{name} is not committed yet (trained on the H200 by tools/device_train.sh)")
+        pytest.skip(f"models/{name} is not committed yet (trained on the H200 by tools/device/train.sh)")
     return folder

@@ -1,4 +1,4 @@
-"""tools/build_corpus.py: the text converters, the held-out pick, and the committed corpus notes."""
+"""tools/reference_models/build_corpus.py: the text converters, the held-out pick, and the committed corpus notes."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import json
 import re
 
 from quality_helpers import HELDOUT, REPO
-from repo_tools import load_tool
+from tools.reference_models import build_corpus as bc
 
-bc = load_tool("build_corpus")
 
 
 def test_html_keeps_visible_text_and_preformatted_layout():

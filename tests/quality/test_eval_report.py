@@ -3,7 +3,7 @@ int4_saw, metric by metric."""
 
 import random
 
-from s4kv.runtime import eval_report
+from s4kv.runtime.eval import report as eval_report
 
 
 def metrics(top1: float, ppl_delta: float, kl: float, exact: float) -> dict:

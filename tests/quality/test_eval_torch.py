@@ -13,10 +13,10 @@ import torch
 from quality_helpers import REFERENCE_MODELS, committed_model, heldout_texts
 
 from s4kv.kernels import reference as ref
-from s4kv.runtime.eval_data import Regime, build_inputs
-from s4kv.runtime.eval_torch import TORCH_FORMATS, greedy, load_model, run_format, teacher_forced
-from s4kv.runtime.evaluate import compare
-from s4kv.runtime.quality import exact_kl, topk_kl
+from s4kv.runtime.eval.data import Regime, build_inputs
+from s4kv.runtime.eval.torch_engine import TORCH_FORMATS, greedy, load_model, run_format, teacher_forced
+from s4kv.runtime.eval.evaluate import compare
+from s4kv.runtime.eval.metrics import exact_kl, topk_kl
 
 REGIMES = [Regime("short", 4, 160, 4, 16, 12)]  # 160 tokens: one closed KIVI block and an open one
 
@@ -119,7 +119,7 @@ def test_token_by_token_writes_keep_kivi_blocks_staged(scheme_name):
     """prefill_tokens=1 stores as decode steps do: a KIVI block then closes keeping its staged keys (SAW's format, so
     both schemes read back the same keys), where one write of the whole block closes it per channel."""
     from s4kv.kernels.scheme import Int4Scheme
-    from s4kv.runtime.eval_torch import PagedInt4Cache
+    from s4kv.runtime.eval.torch_engine import PagedInt4Cache
 
     gen = torch.Generator().manual_seed(7)
     key, value = (torch.randn(1, 2, 300, 128, generator=gen) for _ in range(2))  # 2 closed blocks + an open one
@@ -140,7 +140,7 @@ def test_a_batch_reads_back_what_each_sequence_alone_does(scheme_name, head_dim)
     attention reads back equals storing each sequence by itself, through a prefill, decode steps and the cache
     growing by a page mid-way (a greedy continuation's forwards)."""
     from s4kv.kernels.scheme import Int4Scheme
-    from s4kv.runtime.eval_torch import PagedInt4Cache
+    from s4kv.runtime.eval.torch_engine import PagedInt4Cache
 
     gen = torch.Generator().manual_seed(11)
     key, value = (torch.randn(3, 2, 300, head_dim, generator=gen) for _ in range(2))

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from quality_helpers import heldout_texts
 
-from s4kv.runtime.eval_data import Regime, build_inputs
-from s4kv.runtime.eval_torch import TORCH_FORMATS, load_model, run_format
-from s4kv.runtime.evaluate import compare, vllm_records
+from s4kv.runtime.eval.data import Regime, build_inputs
+from s4kv.runtime.eval.torch_engine import TORCH_FORMATS, load_model, run_format
+from s4kv.runtime.eval.evaluate import compare, vllm_records
 
 pytestmark = [
     pytest.mark.slow,

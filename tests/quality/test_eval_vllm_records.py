@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from s4kv.runtime.eval_vllm import flat_records
+from s4kv.runtime.eval.vllm_engine import flat_records
 
 
 def flat_logprobs(targets, top_k, tops):

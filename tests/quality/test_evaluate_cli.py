@@ -53,7 +53,7 @@ def test_bad_arguments_fail_with_a_clear_message(tiny_model, tmp_path, bad, mess
 
 
 def test_a_failing_format_is_reported_and_the_others_still_measured(tiny_model, tmp_path, monkeypatch, capsys):
-    from s4kv.runtime import eval_torch
+    from s4kv.runtime.eval import torch_engine as eval_torch
 
     def engine_that_will_not_start(prefill_tokens=None):
         raise RuntimeError("vLLM run of fp8_fa3 failed (exit 1)\nValueError: no fp8 here")
@@ -68,7 +68,7 @@ def test_a_failing_format_is_reported_and_the_others_still_measured(tiny_model, 
 
 
 def test_a_run_cut_short_keeps_the_formats_it_measured(tiny_model, tmp_path, monkeypatch):
-    from s4kv.runtime import eval_report, eval_torch
+    from s4kv.runtime.eval import report as eval_report, torch_engine as eval_torch
 
     def cut_here(prefill_tokens=None):  # what a device call's time limit does to the run
         raise KeyboardInterrupt
@@ -87,9 +87,9 @@ def test_a_run_cut_short_keeps_the_formats_it_measured(tiny_model, tmp_path, mon
 def test_default_formats_are_the_issue_formats_and_every_format_has_a_torch_reference():
     import argparse
 
-    from s4kv.runtime import evaluate
-    from s4kv.runtime.bench_matrix import FORMATS, STANDARD_FORMATS
-    from s4kv.runtime.eval_torch import TORCH_FORMATS
+    from s4kv.runtime.eval import evaluate
+    from s4kv.runtime.bench.matrix import FORMATS, STANDARD_FORMATS
+    from s4kv.runtime.eval.torch_engine import TORCH_FORMATS
 
     parser = argparse.ArgumentParser()
     evaluate.add_arguments(parser)
@@ -98,8 +98,8 @@ def test_default_formats_are_the_issue_formats_and_every_format_has_a_torch_refe
 
 
 def test_a_format_the_engine_cannot_run_here_is_reported_as_not_run(tiny_model, tmp_path, monkeypatch, capsys):
-    from s4kv.runtime import eval_torch
-    from s4kv.runtime.evaluate import FormatUnsupported
+    from s4kv.runtime.eval import torch_engine as eval_torch
+    from s4kv.runtime.eval.evaluate import FormatUnsupported
 
     def refused(prefill_tokens=None):  # what the worker reports when vLLM raises NotImplementedError at start-up
         raise FormatUnsupported("vLLM cannot run fp8_fa3 on this machine: FP8 KV cache on CPU requires x86 with "

@@ -1,13 +1,13 @@
-"""tools/kv_variants.py on a tiny model: every variant is measured against the bf16 reference, which matches itself
+"""tools/reference_models/kv_variants.py on a tiny model: every variant is measured against the bf16 reference,
+which matches itself
 exactly, and the quantized variants differ from it."""
 
 from __future__ import annotations
 
-from repo_tools import load_tool
+from tools.reference_models import kv_variants
 
 
 def test_every_variant_is_compared_with_bf16(tiny_model):
-    kv_variants = load_tool("kv_variants")
     rows = kv_variants.sweep(str(tiny_model), windows=2, window_len=48,
                              heldout=kv_variants.REPO / "data/eval/heldout.jsonl")
     assert [label for label, _ in rows] == list(kv_variants.VARIANTS)

@@ -55,7 +55,7 @@ def test_fetch_reuses_the_converted_folder(smollm2, monkeypatch, capsys):
     monkeypatch.setattr(packaged_models, "convert", no_conversion)
     assert main(["model", "fetch", "smollm2"]) == 0
     assert capsys.readouterr().out.strip() == str(smollm2)
-    assert packaged_models.resolve("smollm2") == str(smollm2)
+    assert packaged_models.resolve_packaged("smollm2") == str(smollm2)
 
 
 def test_missing_package_and_unknown_name_say_what_to_do(monkeypatch):

@@ -1,11 +1,11 @@
-"""The metric arithmetic of runtime/quality.py on hand-made distributions with known answers."""
+"""The metric arithmetic of runtime/eval/metrics.py on hand-made distributions with known answers."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from s4kv.runtime.quality import (
+from s4kv.runtime.eval.metrics import (
     Greedy,
     TeacherForced,
     compare_teacher_forced,

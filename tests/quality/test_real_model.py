@@ -6,7 +6,7 @@ close per channel) and the rest forced decode steps; ``decode``, every scored po
 
 Why the torch engine: vLLM's CPU engine refuses fp8 and int4_per_token_head KV caches on a CPU without AVX-512 or
 AMX (NotImplementedError at start-up, reported by `s4kv eval` as "not run"), so the five-format comparison runs
-every format through its torch reference (runtime/eval_torch.py), as docs/quality.md says; on a GPU the same
+every format through its torch reference (runtime/eval/torch_engine.py), as docs/quality.md says; on a GPU the same
 command with ``--engine vllm`` measures the real kernels. The sizes keep both conditions inside CI's budget on two
 cores (about 5 minutes of CPU) while the paired intervals over 8 windows still separate the formats.
 
@@ -22,7 +22,7 @@ import pytest
 from quality_helpers import packaged_model
 
 from s4kv.runtime.cli import main
-from s4kv.runtime.eval_report import paired_ratios
+from s4kv.runtime.eval.report import paired_ratios
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from quality_helpers import REFERENCE_MODELS, committed_model, heldout_texts
 
-from s4kv.runtime.key_stats import model_key_stats
+from s4kv.runtime.eval.key_stats import model_key_stats
 
 MAX_FILE_BYTES = 16 * 2**20  # what one device call can return per file
 

@@ -1,6 +1,7 @@
-"""tools/train_reference.py end to end on the CPU: a few steps on a small corpus, then load what it saved.
+"""tools/reference_models/train_reference.py end to end on the CPU: a few steps on a small corpus, then load what it
+saved.
 
-The real run is on the H200 (tools/device_train.sh); this catches a broken script before a GPU call is spent.
+The real run is on the H200 (tools/device/train.sh); this catches a broken script before a GPU call is spent.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import pytest
 import torch
 
 from quality_helpers import heldout_texts
-from repo_tools import load_tool
+from tools.reference_models import build_corpus
+from tools.reference_models import train_reference
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    build_corpus, train_reference = load_tool("build_corpus"), load_tool("train_reference")
     tmp = tmp_path_factory.mktemp("train")
     corpus = tmp / "corpus"
     corpus.mkdir()

@@ -14,7 +14,7 @@ import gc
 import json
 import sys
 
-from s4kv.runtime.tiny_model import FACTS, NGRAM_DRAFTS, SPECULATIVE_SUFFIX, chat_text
+from s4kv.runtime.bundled_models import FACTS, NGRAM_DRAFTS, SPECULATIVE_SUFFIX, chat_text
 
 # A context of several turns followed by a question: 160+ tokens, so a 128-token page closes during prefill.
 LONG_PROMPT = "".join(chat_text(q, a) for q, a in FACTS[:7]) + chat_text(FACTS[9][0])

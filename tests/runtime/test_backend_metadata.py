@@ -11,7 +11,7 @@ import torch
 
 from model_configs import QWEN25_7B, write_model_dir
 
-from s4kv.runtime.tiny_model import NGRAM_DRAFTS
+from s4kv.runtime.bundled_models import NGRAM_DRAFTS
 
 pytest.importorskip("vllm")
 
@@ -21,7 +21,7 @@ def make_builder(model_dir, speculative: dict | None):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
-    from s4kv.runtime.backend import S4KVMetadataBuilder
+    from s4kv.runtime.plugin.backend import S4KVMetadataBuilder
 
     config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy", max_model_len=4096,
                         kv_cache_dtype="int4_per_token_head", attention_backend="CUSTOM",

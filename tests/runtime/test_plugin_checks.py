@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from s4kv.runtime import cli
-from s4kv.runtime.config import (
+from s4kv.runtime.plugin.config import (
     EngineFacts,
     ModelFacts,
     S4KVConfig,
@@ -179,7 +179,7 @@ S4KV_ENGINE_ARGS = dict(kv_cache_dtype="int4_per_token_head", attention_backend=
 
 @pytest.mark.parametrize("case", ["head_dim_96", "sliding_window_qwen2", "llama2_family", "qwen3_family"])
 def test_engine_check_on_vllm_config(case, tmp_path):
-    from s4kv.runtime.config import check_vllm_config
+    from s4kv.runtime.plugin.config import check_vllm_config
 
     config, words = REJECTED_MODELS[case]
     vllm_config = _vllm_config(write_model_dir(tmp_path, case, config),
@@ -190,7 +190,7 @@ def test_engine_check_on_vllm_config(case, tmp_path):
 
 
 def test_engine_check_accepts_and_reads_engine_flags(tmp_path):
-    from s4kv.runtime.config import check_vllm_config
+    from s4kv.runtime.plugin.config import check_vllm_config
 
     model = write_model_dir(tmp_path, "llama", LLAMA31_8B)
     ok = _vllm_config(model, additional_config={"s4kv": {"scheme": "int4_saw"}}, **S4KV_ENGINE_ARGS)
@@ -225,7 +225,7 @@ def test_engine_check_accepts_and_reads_engine_flags(tmp_path):
 )
 def test_engine_check_on_engine_features(engine_kwargs, words, saw_accepted, tmp_path):
     """Speculative decoding, KV connectors and bf16 layers, as vLLM's own config reports them."""
-    from s4kv.runtime.config import check_vllm_config
+    from s4kv.runtime.plugin.config import check_vllm_config
 
     model = write_model_dir(tmp_path, "qwen", QWEN25_7B)
     kivi = _vllm_config(model, additional_config={"s4kv": {"scheme": "int4_kivi"}}, **S4KV_ENGINE_ARGS, **engine_kwargs)

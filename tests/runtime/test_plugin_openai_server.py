@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from s4kv.runtime.demo import CPU_ENGINE_ARGS, stop, wait_until_healthy
-from s4kv.runtime.tiny_model import FACTS, QWEN2, bundled_model_dir, chat_text
+from s4kv.runtime.cli.demo import CPU_ENGINE_ARGS, stop, wait_until_healthy
+from s4kv.runtime.bundled_models import FACTS, QWEN2, bundled_model_dir, chat_text
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("vllm")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from s4kv.runtime.tiny_model import LLAMA3, bundled_model_dir
+from s4kv.runtime.bundled_models import LLAMA3, bundled_model_dir
 
 pytest.importorskip("vllm")
 
@@ -51,7 +51,7 @@ def test_vllm_loads_the_plugin_through_its_entry_point():
     """)
     paths = json.loads(out.strip().splitlines()[-1])
     assert paths == {
-        "custom": "s4kv.runtime.backend.S4KVAttentionBackend",
+        "custom": "s4kv.runtime.plugin.backend.S4KVAttentionBackend",
         "cpu_path": "s4kv.runtime.plugin.route_CPU_ATTN",
         "cpu_class": "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend",
     }
@@ -114,7 +114,7 @@ def test_version_gate(registry, monkeypatch):
     import vllm
 
     from s4kv.runtime import plugin
-    from s4kv.runtime.config import S4KVConfigError
+    from s4kv.runtime.plugin.config import S4KVConfigError
 
     assert plugin.incompatibility() is None  # the installed vLLM 0.26.0 passes every probe
     monkeypatch.setattr(vllm, "__version__", "0.27.1")
@@ -138,7 +138,7 @@ def test_cpu_route_follows_the_current_config(registry, tmp_path):
     from vllm.engine.arg_utils import EngineArgs
 
     from s4kv.runtime import plugin
-    from s4kv.runtime.config import S4KVConfigError
+    from s4kv.runtime.plugin.config import S4KVConfigError
 
     plugin.register()
     model = bundled_model_dir(LLAMA3)

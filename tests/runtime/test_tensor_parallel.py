@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from s4kv.runtime import capacity, catalog, model_shapes
-from s4kv.runtime.config import S4KVConfig, check_vllm_config
+from s4kv.runtime.sizing import capacity, catalog, model_shapes
+from s4kv.runtime.plugin.config import S4KVConfig, check_vllm_config
 
 from model_configs import QWEN25_7B, write_model_dir
 
@@ -82,7 +82,7 @@ def test_backend_is_sized_from_the_heads_of_one_rank(llama70b, tp):
     from vllm.config import set_current_vllm_config
 
     from s4kv.kernels.layout import PageLayout
-    from s4kv.runtime.backend import S4KVAttentionBackend, S4KVAttentionImpl, S4KVMetadataBuilder
+    from s4kv.runtime.plugin.backend import S4KVAttentionBackend, S4KVAttentionImpl, S4KVMetadataBuilder
 
     with set_current_vllm_config(config):
         builder = S4KVMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu"))

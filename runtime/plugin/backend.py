@@ -1,0 +1,302 @@
+"""S4 KV as a vLLM 0.26.0 v1 attention backend (registered as ``CUSTOM``; the CUDA path, Triton kernels).
+
+Layout: vLLM sizes an ``int4_per_token_head`` page at ``block_size * num_kv_heads * (head_dim + 8)`` bytes; our cache
+tensor is exactly that, ``uint8[num_blocks, num_kv_heads, block_size * (head_dim + 8)]`` (kernels/layout.py), physical
+== logical.
+The store runs in ``do_kv_cache_update`` (before attention, as for TRITON_ATTN). Decode tokens read the int4 cache
+directly (memory-bound: 3.8x fewer bytes than bf16). Prefill chunks are compute-bound, so their sequences' K/V
+(int4 prefix dequantized + the chunk's fresh K/V) are gathered into a dense buffer and run through vLLM's own
+FlashAttention (FA3 on Hopper, FA2 elsewhere); the batch is reordered decodes-first to split it. The CPU path
+(cpu_backend.py) reuses the backend, metadata and builder defined here and swaps the kernels for the torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from s4kv.kernels.layout import cache_shape
+from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
+from s4kv.kernels.scheme import Int4Scheme
+from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
+
+from .config import BLOCK_SIZE, S4KVConfigError, check_vllm_config
+
+
+class S4KVAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    # Head size and KV-cache dtype are judged in supports_combination (config.py), which names the cause in a
+    # sentence; vLLM's generic checks are left open so its terse reasons do not duplicate ours.
+    supported_kv_cache_dtypes: ClassVar[list] = []
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM maps the name back to its enum (attention.py: AttentionBackendEnum[get_name()]).
+        return ATTENTION_BACKEND
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        # The only kernel block size; vLLM then picks 128 as the default block size.
+        return [BLOCK_SIZE]
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
+        if cache_dtype_str != KV_CACHE_DTYPE or head_size not in SUPPORTED_HEAD_DIMS or block_size != BLOCK_SIZE:
+            raise ValueError(
+                f"S4 KV pages need kv_cache_dtype {KV_CACHE_DTYPE}, head_size "
+                f"{' or '.join(map(str, SUPPORTED_HEAD_DIMS))} and block_size {BLOCK_SIZE}; "
+                f"got {cache_dtype_str}, {head_size} and {block_size}"
+            )
+        return cache_shape(num_blocks, num_kv_heads, block_size, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        if include_num_layers_dimension:
+            # One region per (block, KV head) is the page format; a layers dimension in between would split it.
+            raise NotImplementedError("S4 KV pages have no cross-layer layout")
+        return (0, 1, 2)
+
+    @staticmethod
+    def get_impl_cls() -> type["S4KVAttentionImpl"]:
+        return S4KVAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["S4KVMetadataBuilder"]:
+        return S4KVMetadataBuilder
+
+    @staticmethod
+    def use_cascade_attention(*args, **kwargs) -> bool:
+        return False
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                             use_mm_prefix, device_capability) -> str | None:
+        try:
+            config = check_vllm_config(get_current_vllm_config())
+        except S4KVConfigError as err:
+            return str(err)
+        if config is None:
+            return (
+                f'the {ATTENTION_BACKEND} attention backend is S4 KV and needs its options: additional_config '
+                f'{{"{CONFIG_KEY}": {{"scheme": "{KIVI}"}}}} (or "{SAW}").'
+            )
+        return None
+
+
+@dataclass
+class S4KVMetadata:
+    num_actual_tokens: int  # tokens in the batch without CUDA-graph padding
+    max_query_len: int
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_seq_len: int
+    seq_lens: torch.Tensor  # [num_seqs] int32, including this step's tokens
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
+    workspace: Any = None  # kernels.attention.SplitWorkspace on CUDA
+    prefill: "PrefillPlan | None" = None  # set when prefill sequences go through FlashAttention
+
+
+@dataclass
+class PrefillPlan:
+    """The prefill part of a decodes-first batch, for FlashAttention over a dense K/V buffer."""
+
+    num_decodes: int  # sequences [0, num_decodes) are decodes: 1 token, or 1 + speculative drafts
+    num_decode_tokens: int
+    decode_max_query_len: int  # 1 without drafts (then the decode part may split the context)
+    cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32 from 0, rows of query[num_decode_tokens:]
+    cu_seqlens_k: torch.Tensor  # [num_prefills + 1] int32, rows of dense_k/dense_v
+    max_query_len: int
+    max_seq_len: int
+    dense_k: torch.Tensor  # [sum of prefill seq_lens, Hkv, head_dim], model dtype
+    dense_v: torch.Tensor
+    fa_version: int | None
+
+
+class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
+    # Full CUDA graphs for batches whose queries all have one length (decode, and decode + drafts): the attention
+    # launch depends on max_query_len (decode kernel vs prefill kernel), which is constant only in such batches.
+    # Mixed prefill/decode batches run piecewise, attention eager.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Largest dense K+V buffer (bytes) a prefill batch may take beside the KV cache; a batch needing more (many
+    # long prefixes at once) runs its prefills through the int4 kernel instead: same cache, same numbers, slower.
+    dense_budget_bytes: ClassVar[int] = 512 << 20
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Decodes first, then prefills, so the prefill sequences are one contiguous slice of the batch. A decode
+        # is a query of at most 1 + num_speculative_tokens tokens: with drafts, vLLM's host sequence lengths of
+        # decode rows are only upper bounds (async scheduling assumes every draft accepted), so those rows must
+        # stay out of the host-planned prefill path; the fused kernel reads the exact lengths on the device.
+        # Batches of decodes alone (vLLM captures them in full CUDA graphs, drafts included) are never planned.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        self.workspace = self._allocate_workspace()
+
+    def _allocate_workspace(self) -> Any:
+        # Split-KV decode buffers, once per builder, before any CUDA-graph capture.
+        from s4kv.kernels.attention import SplitWorkspace
+
+        model_config = self.vllm_config.model_config
+        parallel = self.vllm_config.parallel_config
+        return SplitWorkspace.allocate(
+            model_config.get_num_attention_heads(parallel), model_config.get_num_kv_heads(parallel),
+            model_config.get_head_size(), self.device
+        )
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> S4KVMetadata:
+        m = common_attn_metadata
+        return S4KVMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            query_start_loc=m.query_start_loc,
+            max_seq_len=m.max_seq_len,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+            workspace=self.workspace,
+            prefill=self._plan_prefill(m) if m.max_query_len > self.reorder_batch_threshold else None,
+        )
+
+    def _plan_prefill(self, m: CommonAttentionMetadata) -> PrefillPlan | None:
+        # Mixed batches run eagerly (piecewise CUDA graphs), so host-side planning is allowed here.
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+            m, decode_threshold=self.reorder_batch_threshold)
+        if num_prefills == 0:
+            return None
+        seq_lens = (m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens_cpu)
+        seq_lens = seq_lens[num_decodes : m.num_reqs].to(torch.int32)
+        total = int(seq_lens.sum())
+        spec = self.kv_cache_spec
+        dtype = self.vllm_config.model_config.dtype
+        if 2 * total * spec.num_kv_heads * spec.head_size * dtype.itemsize > self.dense_budget_bytes:
+            return None
+        q_starts = m.query_start_loc_cpu[num_decodes : m.num_reqs + 1]
+        q_lens = m.query_start_loc_cpu[1 : m.num_reqs + 1] - m.query_start_loc_cpu[: m.num_reqs]
+        cu_k = torch.zeros(num_prefills + 1, dtype=torch.int32)
+        torch.cumsum(seq_lens, 0, out=cu_k[1:])
+        dense_k = torch.empty(total, spec.num_kv_heads, spec.head_size, dtype=dtype, device=self.device)
+        return PrefillPlan(
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            decode_max_query_len=int(q_lens[:num_decodes].max()) if num_decodes else 0,
+            cu_seqlens_q=(q_starts - num_decode_tokens).to(self.device, torch.int32, non_blocking=True),
+            cu_seqlens_k=cu_k.to(self.device, non_blocking=True),
+            max_query_len=int(q_lens[num_decodes:].max()),
+            max_seq_len=int(seq_lens.max()),
+            dense_k=dense_k,
+            dense_v=torch.empty_like(dense_k),
+            fa_version=get_flash_attn_version(),
+        )
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> S4KVMetadata:
+        metadata = self.build(0, common_attn_metadata)
+        # As TRITON_ATTN does: capture with 1-token contexts (capture is slow with max_model_len ones); replays
+        # read the real seq_lens from the same buffer.
+        metadata.seq_lens.fill_(1)
+        return metadata
+
+
+class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
+    """Decoder self-attention over the int4 cache; rejects every feature the kernels do not implement."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 **extra: Any) -> None:
+        config = check_vllm_config(get_current_vllm_config())
+        if config is None:
+            raise S4KVConfigError(f'S4 KV\'s attention backend needs additional_config["{CONFIG_KEY}"].')
+        self.scheme: Int4Scheme = config.scheme
+        unsupported = {
+            f"head_size {head_size}": head_size not in SUPPORTED_HEAD_DIMS,
+            "ALiBi": alibi_slopes is not None,
+            "sliding-window attention": sliding_window is not None,
+            "logits soft-capping": bool(logits_soft_cap),
+            f"{attn_type} attention": attn_type != AttentionType.DECODER,
+            "KV-cache sharing between layers": kv_sharing_target_layer_name is not None,
+            f"kv_cache_dtype {kv_cache_dtype}": kv_cache_dtype != KV_CACHE_DTYPE,
+            "attention sinks": extra.get("sinks") is not None,
+            "dual-chunk attention": extra.get("dual_chunk_attention_config") is not None,
+        }
+        causes = [name for name, present in unsupported.items() if present]
+        if causes:
+            raise S4KVConfigError(f"{self.scheme.name} does not support {', '.join(causes)} in this layer.")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self._load_kernels()
+
+    def _load_kernels(self) -> None:
+        from s4kv.kernels.attention import paged_attention
+        from s4kv.kernels.store import store_kv
+
+        self._store_kv = store_kv
+        self._paged_attention = paged_attention
+
+    def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        # key/value may carry CUDA-graph padding rows past the slot mapping; only mapped rows are stored.
+        num_tokens = slot_mapping.shape[0]
+        self._store_kv(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping, self.scheme)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: S4KVMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("S4 KV attention does not fuse output quantization")
+        if attn_metadata is None:  # profiling run
+            return output.fill_(0)
+        m = attn_metadata
+        if m.prefill is None:
+            self._paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.max_query_len,
+                                  self.scale, self.scheme, output, workspace=m.workspace)
+            return output
+        p = m.prefill
+        nd, ndt = p.num_decodes, p.num_decode_tokens
+        if nd:
+            self._paged_attention(query[:ndt], kv_cache, m.block_table[:nd], m.seq_lens[:nd],
+                                  m.query_start_loc[: nd + 1], p.decode_max_query_len, self.scale, self.scheme,
+                                  output[:ndt], workspace=m.workspace)
+        self._prefill_with_flash_attention(query, key, value, kv_cache, m, output)
+        return output
+
+    def _prefill_with_flash_attention(self, query, key, value, kv_cache, m: S4KVMetadata, output) -> None:
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+        from s4kv.kernels.dense import gather_dense_kv
+
+        p = m.prefill
+        nd, ndt, end = p.num_decodes, p.num_decode_tokens, m.num_actual_tokens
+        gather_dense_kv(key, value, kv_cache, m.block_table[nd:], m.seq_lens[nd:], m.query_start_loc[nd:],
+                        p.cu_seqlens_k, p.max_seq_len, self.scheme, p.dense_k, p.dense_v)
+        flash_attn_varlen_func(
+            q=query[ndt:end], k=p.dense_k, v=p.dense_v, out=output[ndt:end], cu_seqlens_q=p.cu_seqlens_q,
+            max_seqlen_q=p.max_query_len, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_k=p.max_seq_len,
+            softmax_scale=self.scale, causal=True, fa_version=p.fa_version,
+        )

@@ -1,0 +1,320 @@
+"""Our part of a vLLM config: ``additional_config["s4kv"]`` and the checks that decide whether S4 KV can run.
+
+Everything here is plain Python over dicts and small dataclasses, so ``s4kv check`` can judge a model from its
+config.json without vLLM, a GPU or weights; the engine runs the very same checks on facts read from its VllmConfig
+(``check_vllm_config``) while it builds the model, before any weight is loaded.
+Each rejection is one sentence that names the cause and, where there is one, the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from s4kv.kernels.layout import KIVI_BLOCK_SIZE
+from s4kv.kernels.scheme import Int4Scheme
+from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SUPPORTED_HEAD_DIMS
+
+from .version import VLLM_VERSION, vllm_version_mismatch
+
+# One page per kernel block of 128 tokens for both schemes (a KIVI key group is one full page).
+BLOCK_SIZE = KIVI_BLOCK_SIZE
+# Our own option next to the scheme's options: run a model outside the families the schemes were validated on.
+ALLOW_UNSUPPORTED_MODEL = "allow_unsupported_model"
+
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED_FAMILIES = "Qwen2, Qwen2.5 and Llama-3"
+_MLA_MODEL_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "minicpm3"}
+_FULL_ATTENTION_LAYER = "full_attention"
+_SLIDING_LAYER_TYPES = {"sliding_attention", "chunked_attention"}
+
+
+@dataclass(frozen=True)
+class S4KVConfig:
+    """The parsed ``additional_config["s4kv"]``: the scheme plus our own opt-in for other model families."""
+
+    scheme: Int4Scheme
+    allow_unsupported_model: bool = False
+
+    @classmethod
+    def parse(cls, options: Any) -> "S4KVConfig":
+        if not isinstance(options, Mapping):
+            raise ValueError(
+                f'additional_config["{CONFIG_KEY}"] must be an object like {{"scheme": "{KIVI}"}}, got {options!r}'
+            )
+        scheme_options = dict(options)
+        allow = scheme_options.pop(ALLOW_UNSUPPORTED_MODEL, False)
+        if not isinstance(allow, bool):
+            raise ValueError(f"{ALLOW_UNSUPPORTED_MODEL} must be true or false, got {allow!r}")
+        return cls(scheme=Int4Scheme.parse(scheme_options), allow_unsupported_model=allow)
+
+    def to_options(self) -> dict[str, Any]:
+        """The ``additional_config["s4kv"]`` dict that parses back to this config."""
+        options: dict[str, Any] = {"scheme": self.scheme.name}
+        if not self.scheme.is_kivi:
+            if self.scheme.hadamard_block is not None:
+                options["hadamard_block"] = self.scheme.hadamard_block
+            options["rotate_values"] = self.scheme.rotate_values
+        if self.allow_unsupported_model:
+            options[ALLOW_UNSUPPORTED_MODEL] = True
+        return options
+
+
+def find_options(additional_config: Any) -> Any | None:
+    """Our options inside vLLM's additional_config, or None when the user did not ask for S4 KV."""
+    if isinstance(additional_config, Mapping):
+        return additional_config.get(CONFIG_KEY)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# facts about the model and the engine settings
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the checks need to know about a model, from its config.json (or vLLM's reading of it)."""
+
+    name: str
+    architectures: tuple[str, ...]
+    model_type: str
+    head_dim: int | None
+    vocab_size: int = 0
+    rope_theta: float = 0.0
+    rope_type: str = ""
+    uses_mla: bool = False
+    sliding_window: bool = False
+    hybrid: bool = False
+    encoder_decoder: bool = False
+    dual_chunk_attention: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any], name: str = "model") -> "ModelFacts":
+        layer_types = set(cfg.get("layer_types") or [])
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope = rope if isinstance(rope, Mapping) else {}
+        if cfg.get("use_sliding_window") is False:  # Qwen2 keeps a sliding_window value it does not use
+            window_in_use = False
+        else:
+            window_in_use = bool(cfg.get("sliding_window") or cfg.get("attention_chunk_size"))
+        hybrid_markers = (
+            "layers_block_type", "hybrid_override_pattern", "mamba_d_state", "ssm_cfg", "linear_attn_config"
+        )
+        return cls(
+            name=name,
+            architectures=tuple(cfg.get("architectures") or ()),
+            model_type=str(cfg.get("model_type", "")),
+            head_dim=_head_dim(cfg),
+            vocab_size=int(cfg.get("vocab_size") or 0),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 0),
+            rope_type=str(rope.get("rope_type") or rope.get("type") or ""),
+            uses_mla=bool(cfg.get("kv_lora_rank")) or cfg.get("model_type") in _MLA_MODEL_TYPES,
+            sliding_window=window_in_use or bool(layer_types & _SLIDING_LAYER_TYPES),
+            hybrid=bool(layer_types - _SLIDING_LAYER_TYPES - {_FULL_ATTENTION_LAYER})
+            or any(cfg.get(key) for key in hybrid_markers),
+            encoder_decoder=bool(cfg.get("is_encoder_decoder")),
+            dual_chunk_attention=bool(cfg.get("dual_chunk_attention_config")),
+        )
+
+    @classmethod
+    def from_model_config(cls, model_config: Any) -> "ModelFacts":
+        """Facts from vLLM's ModelConfig: the config.json reading, corrected by vLLM's own derived flags."""
+        hf = model_config.hf_text_config
+        facts = cls.from_hf_config(hf.to_dict(), name=str(model_config.model))
+        architectures = tuple(getattr(model_config.hf_config, "architectures", None) or facts.architectures)
+        return replace(
+            facts,
+            architectures=architectures,
+            head_dim=model_config.get_head_size(),
+            uses_mla=facts.uses_mla or bool(model_config.use_mla),
+            sliding_window=facts.sliding_window or model_config.get_sliding_window() is not None,
+            hybrid=facts.hybrid or bool(model_config.is_hybrid),
+            encoder_decoder=facts.encoder_decoder or bool(model_config.is_encoder_decoder),
+        )
+
+    @property
+    def family(self) -> str | None:
+        """"qwen2" or "llama3" when the model is in a family the schemes were validated on, else None."""
+        known = [SUPPORTED_ARCHITECTURES[a] for a in self.architectures if a in SUPPORTED_ARCHITECTURES]
+        expected_type = known[0] if known else None
+        if expected_type is None or self.model_type != expected_type:
+            return None
+        if expected_type == "qwen2":
+            return "qwen2"
+        # Llama-2 and Llama-3 share architecture and model_type; Llama-3 has the 128k vocabulary and rope_theta 5e5.
+        if self.vocab_size >= 128000 or self.rope_theta >= 500000 or self.rope_type == "llama3":
+            return "llama3"
+        return None
+
+
+def _head_dim(cfg: Mapping[str, Any]) -> int | None:
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return None
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """The engine settings the checks need; the defaults are what `s4kv serve` passes."""
+
+    vllm_version: str = VLLM_VERSION
+    kv_cache_dtype: str = KV_CACHE_DTYPE
+    attention_backend: str | None = ATTENTION_BACKEND
+    block_size: int | None = None  # None: not set by the user (the backend then picks 128)
+    speculative_decoding: bool = False
+    kv_connector: bool = False
+    context_parallel: bool = False
+    kv_cache_dtype_skip_layers: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> "EngineFacts":
+        import vllm
+
+        cache = vllm_config.cache_config
+        parallel = vllm_config.parallel_config
+        transfer = vllm_config.kv_transfer_config
+        backend = vllm_config.attention_config.backend
+        return cls(
+            vllm_version=vllm.__version__,
+            kv_cache_dtype=str(cache.cache_dtype),
+            attention_backend=backend.name if backend is not None else None,
+            block_size=cache.block_size if cache.user_specified_block_size else None,
+            speculative_decoding=vllm_config.speculative_config is not None,
+            kv_connector=transfer is not None and bool(transfer.is_kv_transfer_instance),
+            context_parallel=parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1,
+            kv_cache_dtype_skip_layers=tuple(cache.kv_cache_dtype_skip_layers or ()),
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the checks
+# ---------------------------------------------------------------------------------------------------------------
+def engine_rejections(config: S4KVConfig, engine: EngineFacts) -> list[str]:
+    scheme = config.scheme.name
+    reasons = []
+    version_problem = vllm_version_mismatch(engine.vllm_version)
+    if version_problem is not None:
+        reasons.append(version_problem)
+    if engine.attention_backend != ATTENTION_BACKEND:
+        reasons.append(missing_backend_message(config, engine.attention_backend))
+    if engine.kv_cache_dtype != KV_CACHE_DTYPE:
+        reasons.append(
+            f"{scheme} needs --kv-cache-dtype {KV_CACHE_DTYPE} (its page budget), got {engine.kv_cache_dtype!r}."
+        )
+    if engine.block_size is not None and engine.block_size != BLOCK_SIZE:
+        reasons.append(
+            f"{scheme} needs --block-size {BLOCK_SIZE} (one int4 page per 128 tokens), got {engine.block_size}."
+        )
+    if engine.speculative_decoding and config.scheme.is_kivi:
+        reasons.append(
+            "int4_kivi cannot run with speculative decoding: rejected draft tokens would rewrite keys of a block "
+            "that was already quantized per channel."
+        )
+    if engine.kv_connector:
+        reasons.append(
+            f"{scheme} cannot run with a KV connector: connectors move pages in vLLM's own layouts, not S4 KV's."
+        )
+    if engine.context_parallel:
+        reasons.append(f"{scheme} does not support decode or prefill context parallelism.")
+    if engine.kv_cache_dtype_skip_layers:
+        reasons.append(
+            f"{scheme} cannot keep some layers in bf16 (--kv-cache-dtype-skip-layers "
+            f"{','.join(engine.kv_cache_dtype_skip_layers)}): every attention layer uses the int4 page."
+        )
+    return reasons
+
+
+def model_rejections(config: S4KVConfig, model: ModelFacts) -> list[str]:
+    scheme = config.scheme.name
+    reasons = []
+    if model.head_dim not in SUPPORTED_HEAD_DIMS:
+        reasons.append(
+            f"{model.name} has head_dim {model.head_dim}; {scheme} supports head_dim "
+            f"{' and '.join(map(str, SUPPORTED_HEAD_DIMS))} only (its int4 page and kernels are built for those)."
+        )
+    else:
+        try:
+            config.scheme.hadamard_block_for(model.head_dim)
+        except ValueError as err:
+            reasons.append(f"{model.name}: {err}.")
+    if model.uses_mla:
+        reasons.append(f"{model.name} uses multi-head latent attention (MLA), which {scheme} does not support.")
+    if model.sliding_window:
+        reasons.append(f"{model.name} uses sliding-window attention, which {scheme} does not support.")
+    if model.hybrid:
+        reasons.append(
+            f"{model.name} is a hybrid model (attention mixed with other layer types), which {scheme} does not support."
+        )
+    if model.encoder_decoder:
+        reasons.append(f"{model.name} is an encoder-decoder model; {scheme} supports decoder-only self-attention.")
+    if model.dual_chunk_attention:
+        reasons.append(f"{model.name} uses dual-chunk attention, which {scheme} does not support.")
+    if model.family is None and not config.allow_unsupported_model:
+        reasons.append(
+            f"{model.name} ({'/'.join(model.architectures) or 'no architecture'}, model_type {model.model_type!r}) is "
+            f"outside the {SUPPORTED_FAMILIES} families S4 KV is validated on; set "
+            f'"{ALLOW_UNSUPPORTED_MODEL}": true in the s4kv options to run it anyway.'
+        )
+    return reasons
+
+
+def missing_backend_message(config: S4KVConfig, selected: str | None) -> str:
+    return (
+        f"S4 KV options were given ({config.scheme.name}) but the attention backend is "
+        f"{selected or 'automatic'}, not {ATTENTION_BACKEND}: add --attention-backend {ATTENTION_BACKEND} "
+        f'(Python: attention_config={{"backend": "{ATTENTION_BACKEND}"}}), otherwise vLLM would run a different '
+        f"KV format."
+    )
+
+
+class S4KVConfigError(ValueError):
+    """S4 KV cannot run with this model or these settings; the message holds one sentence per cause."""
+
+
+def check_vllm_config(vllm_config: Any) -> S4KVConfig | None:
+    """Our config from a VllmConfig, after every check; None when S4 KV was not asked for. Raises S4KVConfigError."""
+    options = find_options(vllm_config.additional_config)
+    if options is None:
+        return None
+    try:
+        config = S4KVConfig.parse(options)
+    except ValueError as err:
+        raise S4KVConfigError(str(err)) from None
+    reasons = engine_rejections(config, EngineFacts.from_vllm_config(vllm_config))
+    reasons += model_rejections(config, ModelFacts.from_model_config(vllm_config.model_config))
+    if reasons:
+        raise S4KVConfigError(" ".join(reasons))
+    return config
+
+
+def read_model_config(model: str) -> tuple[dict[str, Any], str]:
+    """config.json of a model, never downloading: a local folder, a config.json path, or a Hugging Face id that is
+    already in the local Hugging Face cache. Returns (config, display name)."""
+    if os.path.isdir(model):
+        path, name = os.path.join(model, "config.json"), os.path.basename(os.path.normpath(model))
+    elif os.path.isfile(model):
+        path, name = model, os.path.splitext(os.path.basename(model))[0]
+    else:
+        path, name = _cached_hub_config(model), model
+    if not path or not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no config.json for {model!r}: pass a local model folder, its config.json, or a Hugging Face id "
+            "already in the local cache (nothing is downloaded)"
+        )
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle), name
+
+
+def _cached_hub_config(repo_id: str) -> str | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repository id
+        return None
+    return found if isinstance(found, str) else None

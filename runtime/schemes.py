@@ -1,0 +1,56 @@
+"""The names every part of S4 KV shares: the two schemes and their options, the vLLM settings that select them,
+and the KV formats (bytes per token, tokens per page) that sizing, benchmarks and the CDK app count with.
+
+Standard library only: the CDK app, ``s4kv capacity`` and the kernels import this module without torch or vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+# --- the schemes ---------------------------------------------------------------------------------------------
+SchemeName = Literal["int4_kivi", "int4_saw"]
+KIVI: SchemeName = "int4_kivi"
+SAW: SchemeName = "int4_saw"
+SCHEMES: tuple[SchemeName, ...] = get_args(SchemeName)
+DEFAULT_SCHEME: SchemeName = KIVI
+# The keys of additional_config["s4kv"] each scheme accepts.
+SCHEME_OPTIONS: dict[SchemeName, frozenset[str]] = {
+    KIVI: frozenset({"scheme"}),
+    SAW: frozenset({"scheme", "hadamard_block", "rotate_values"}),
+}
+SAW_HADAMARD_BLOCKS = (32, 64, 128)  # block sizes of int4_saw's block-diagonal Hadamard rotation (default: the head)
+# The head sizes both schemes are built for; kernels/layout.py lays out their pages and says why these.
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+# --- how vLLM 0.26.0 is told to run them ---------------------------------------------------------------------
+CONFIG_KEY = "s4kv"  # additional_config key
+# vLLM 0.26 cannot learn a new --kv-cache-dtype string from a plugin; both schemes reuse this one's page budget.
+KV_CACHE_DTYPE = "int4_per_token_head"
+ATTENTION_BACKEND = "CUSTOM"
+
+# --- KV formats: what one token of one KV head costs in the cache --------------------------------------------
+KvFormatName = Literal["bf16", "fp8", "int4"]
+
+
+@dataclass(frozen=True)
+class KvFormat:
+    """A KV-cache storage format as vLLM pages it: bytes per token and KV head, tokens per page."""
+
+    name: KvFormatName
+    block_size: int  # tokens per vLLM page
+
+    def bytes_per_head_token(self, head_dim: int) -> int:
+        # int4: head_dim/2 bytes of codes for K and for V, plus an fp16 (scale, min) pair for each (S4 KV and vLLM's
+        # int4_per_token_head alike: 136 at head_dim 128, 72 at 64).
+        return {"bf16": 4 * head_dim, "fp8": 2 * head_dim, "int4": head_dim + 8}[self.name]
+
+
+KV_FORMATS: dict[KvFormatName, KvFormat] = {
+    "bf16": KvFormat("bf16", 16), "fp8": KvFormat("fp8", 16), "int4": KvFormat("int4", 128),
+}
+# What a deployment can serve: one of the schemes, or plain bf16 KV; and the KV format each one stores.
+ServedScheme = Literal["int4_kivi", "int4_saw", "bf16"]
+SCHEME_FORMAT: dict[ServedScheme, KvFormatName] = {KIVI: "int4", SAW: "int4", "bf16": "bf16"}
+SERVED_SCHEMES: tuple[ServedScheme, ...] = get_args(ServedScheme)

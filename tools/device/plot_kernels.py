@@ -1,0 +1,77 @@
+"""Plot tools/device/bench_kernels.py's decode results: speed against FA3 and achieved bandwidth, per shape and method.
+
+    python tools/device/plot_kernels.py docs/archive/2026-11-30-h200-s2/call1_kernels.json --out kernels.svg
+
+Left: FA3's time / the method's time (above 1 = faster than bf16 FlashAttention-3). Right: bytes that must
+move / time, against the device-to-device copy ceiling measured in the same run. Shapes are batch x context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def decode_series(results: dict) -> tuple[list[str], dict[str, list[float | None]], dict[str, list[float | None]]]:
+    """Shape labels, and per method its speed vs FA3 and its GB/s per shape (None where it failed)."""
+    rows = results["decode"]
+    shapes = sorted({(r["batch"], r["context"]) for r in rows})
+    fa3 = {(r["batch"], r["context"]): r["ms"] for r in rows if r["method"] == "fa3_bf16"}
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    speed, gbps = {m: [] for m in methods}, {m: [] for m in methods}
+    for method in methods:
+        by_shape = {(r["batch"], r["context"]): r for r in rows if r["method"] == method}
+        for shape in shapes:
+            r = by_shape.get(shape)
+            ok = r is not None and r["ms"] and fa3.get(shape)
+            speed[method].append(fa3[shape] / r["ms"] if ok else None)
+            gbps[method].append(r["gbps"] if ok else None)
+    return [f"{b} x {c // 1024}k" for b, c in shapes], speed, gbps
+
+
+def plot(results: dict, out: Path, title: str) -> None:
+    labels, speed, gbps = decode_series(results)
+    methods = list(speed)
+    width = 0.8 / len(methods)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.8))
+    for i, method in enumerate(methods):
+        xs = [x + (i - (len(methods) - 1) / 2) * width for x in range(len(labels))]
+        for axis, values in ((left, speed[method]), (right, gbps[method])):
+            axis.bar([x for x, v in zip(xs, values) if v is not None], [v for v in values if v is not None],
+                     width, label=method)
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_ylabel("FA3 time / time (higher is faster)")
+    ceiling = results.get("meta", {}).get("copy_gbps")
+    if ceiling:
+        right.axhline(ceiling, color="black", linewidth=0.8, linestyle="--", label="copy ceiling")
+    right.set_ylabel("GB/s (bytes that must move / time)")
+    for axis in (left, right):
+        axis.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+        axis.set_xlabel("batch x context")
+    right.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, help="kernels.json from tools/device/bench_kernels.py")
+    parser.add_argument("--out", type=Path, required=True, help="image to write (.svg or .png)")
+    args = parser.parse_args(argv)
+    results = json.loads(args.results.read_text())
+    meta = results.get("meta", {})
+    when = meta.get("date", "")[:16].replace("T", " ")
+    plot(results, args.out, f"Decode attention per layer, {meta.get('gpu', 'GPU')}" + (f", {when} UTC" if when else ""))
+    print(f"[plot_kernels] wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

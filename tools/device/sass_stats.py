@@ -1,0 +1,201 @@
+"""Static instruction counts of the decode attention kernel's inner loop on Hopper (sm_90), with no GPU.
+
+The decode kernel is bound by the instructions that turn 4-bit codes into MMA operands, not by memory (~1 TB/s
+of 4.3, docs/performance.md), so the number of SASS instructions per KV tile is the quantity to count first.
+Triton compiles for sm_90 on any machine (ptxas and nvdisasm ship in the triton wheel); this compiles
+``_paged_attention_kernel`` as ``paged_attention`` launches it for decode (specialized like a real launch: 16-byte
+aligned cache/query pointers and strides, metadata pointers unspecialized), disassembles it and prints, per
+variant, the instructions of its hottest loop by class, per KV tile and per code.
+
+    python tools/device/sass_stats.py                      # both schemes, bf16 and fp16 queries, every code path
+    python tools/device/sass_stats.py --json out.json      # also each loop's histogram of instructions (mnemonics)
+
+Counts are static (one pass through the loop body; in int4_kivi the body holds both key paths: the closed-block
+per-channel path that runs for all but the last page, and the per-token path of the open page). They predict, they
+do not measure: the GPU benchmark (tools/device/bench_kernels.py) decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hopper_compile import compile_only  # noqa: E402
+
+from s4kv.kernels import attention  # noqa: E402
+from s4kv.kernels.layout import KIVI_BLOCK_SIZE, cache_shape, tile_tokens  # noqa: E402
+from s4kv.kernels.scheme import Int4Scheme  # noqa: E402
+
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+NVDISASM, CUOBJDUMP = NVIDIA_BIN / "nvdisasm", NVIDIA_BIN / "cuobjdump"
+HOPPER_REGS_PER_SM, HOPPER_SHARED_PER_SM, HOPPER_MAX_WARPS_PER_SM = 65536, 228 * 1024, 64
+GROUP, NUM_KV_HEADS, HEAD_DIM = 7, 4, 128  # Qwen2.5-7B: 28 query heads over 4 KV heads of 128 channels
+
+# opcode classes that matter for the unpack-bound loop
+CLASSES = {
+    "mma": ("HMMA", "HGMMA", "IMMA"),
+    "global load": ("LDG",),
+    "shared memory": ("LDS", "STS", "LDSM", "STSM", "LDGSTS"),
+    "int logic/shift/permute": ("LOP3", "LOP", "SHF", "PRMT", "BFE", "SGXT"),
+    "int arith": ("IMAD", "IADD3", "VIADD", "IADD", "ISETP", "IMNMX", "LEA", "ISCADD"),
+    "fp16x2 arith": ("HADD2", "HMUL2", "HFMA2", "HSETP2", "HMNMX2"),
+    "fp32 arith": ("FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FCHK"),
+    "conversion": ("F2F", "F2FP", "I2F", "F2I", "I2FP", "F2IP"),
+    "special function": ("MUFU",),
+    "move/select/shuffle": ("MOV", "SEL", "CS2R", "S2R", "R2UR", "UMOV", "SHFL"),
+}
+
+
+def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.LaunchConfig):
+    """The split-KV decode kernel (hopper_compile.Compiled) exactly as paged_attention launches it (block 128,
+    GQA 7)."""
+    num_q_heads, num_seqs = GROUP * NUM_KV_HEADS, 2
+    cache = torch.zeros(cache_shape(8, NUM_KV_HEADS, KIVI_BLOCK_SIZE, HEAD_DIM), dtype=torch.uint8)
+    q = torch.zeros(num_seqs, num_q_heads, HEAD_DIM, dtype=dtype)
+    with compile_only() as compiled:
+        attention.paged_attention(
+            q, cache, torch.zeros(num_seqs, 4, dtype=torch.int32), torch.ones(num_seqs, dtype=torch.int32),
+            torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, scheme, torch.empty_like(q),
+            workspace=attention.SplitWorkspace.allocate(num_q_heads, NUM_KV_HEADS, HEAD_DIM, "cpu"), launch=launch)
+    (kernel,) = [c for c in compiled if c.kernel == "_paged_attention_kernel"]
+    return kernel
+
+
+def _inspect(tool: Path, flag: str, cubin: bytes) -> str:
+    """What one of the wheel's CUDA binary tools prints for ``cubin``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), flag, f.name], check=True, capture_output=True, text=True).stdout
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers per thread and local (spill) bytes of the kernel, from cuobjdump -res-usage."""
+    text = _inspect(CUOBJDUMP, "-res-usage", cubin)
+    return {key: int(re.search(rf"\b{key}:(\d+)", text).group(1)) for key in ("REG", "LOCAL")}
+
+
+def warps_per_sm(regs: int, shared_bytes: int, num_warps: int) -> int:
+    """Resident warps per SM (Hopper limits), from registers, shared memory and the 64-warp cap: occupancy."""
+    ctas = min(HOPPER_REGS_PER_SM // (regs * 32 * num_warps), HOPPER_SHARED_PER_SM // max(shared_bytes, 1),
+               HOPPER_MAX_WARPS_PER_SM // num_warps)
+    return ctas * num_warps
+
+
+def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
+    """(address, instruction text) of every SASS instruction, and the address of every branch label."""
+    text = _inspect(NVDISASM, "-c", cubin)
+    instructions, labels, pending = [], {}, []
+    for line in text.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            address = int(m.group(1), 16)
+            labels.update((name, address) for name in pending)
+            pending = []
+            instructions.append((address, m.group(2).strip()))
+    return instructions, labels
+
+
+def _mnemonic(instruction: str) -> str:
+    """The instruction's name with its modifiers (LDS.U8, HMMA.16816.F32.BF16), without a predicate guard."""
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", instruction).split()[0]
+
+
+def _opcode(instruction: str) -> str:
+    return _mnemonic(instruction).split(".")[0]
+
+
+def hottest_loop(instructions: list[tuple[int, str]], labels: dict[str, int]) -> list[str]:
+    """Instructions of the largest loop: the longest span from a backward branch's target to the branch."""
+    best = (0, -1)
+    for index, (address, text) in enumerate(instructions):
+        m = re.search(r"\bBRA\b.*?(\.L_x_\d+)", text)
+        if not m or labels.get(m.group(1), address) >= address:
+            continue
+        start = next(i for i, (a, _) in enumerate(instructions) if a >= labels[m.group(1)])
+        if index - start > best[1] - best[0]:
+            best = (start, index)
+    start, end = best
+    return [text for _, text in instructions[start : end + 1]]
+
+
+def classify(opcodes: Counter) -> dict[str, int]:
+    table = {name: sum(n for op, n in opcodes.items() if op in members) for name, members in CLASSES.items()}
+    table["other"] = sum(opcodes.values()) - sum(table.values())
+    table["total"] = sum(opcodes.values())
+    return table
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_launch(text: str) -> attention.LaunchConfig:
+    """TILExWARPSxSTAGES, e.g. 64x4x3."""
+    tile, warps, stages = (int(part) for part in text.split("x"))
+    return attention.LaunchConfig(tile=tile, num_warps=warps, num_stages=stages)
+
+
+def variants(scheme_names: list[str], dtypes: list[str], launches: list[str]):
+    for name in scheme_names:
+        scheme = Int4Scheme(name)
+        for base in [parse_launch(text) for text in launches] or [attention.DECODE_LAUNCH[name]]:
+            for q_dtype in dtypes:
+                for code_path, options in attention.CODE_PATHS.items():
+                    yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schemes", default="int4_kivi,int4_saw")
+    parser.add_argument("--dtypes", default="bf16,fp16")
+    parser.add_argument("--launches", default="",
+                        help="comma-separated TILExWARPSxSTAGES to compare (default: each scheme's DECODE_LAUNCH)")
+    parser.add_argument("--json", type=Path, help="also write every variant's loop histogram (mnemonics) here")
+    args = parser.parse_args(argv)
+
+    rows, histograms = [], {}
+    for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(","),
+                                                    [t for t in args.launches.split(",") if t]):
+        print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
+        kernel = compile_decode(scheme, q_dtype, launch)
+        loop = hottest_loop(*disassemble(kernel.cubin))
+        usage = resources(kernel.cubin)
+        opcodes = Counter(_opcode(text) for text in loop)
+        tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
+        label = f"{label} {tile}x{launch.num_warps}x{launch.num_stages}"
+        histograms[label] = dict(Counter(_mnemonic(text) for text in loop).most_common())
+        codes_per_thread = 2 * tile * 128 / (32 * launch.num_warps)  # K and V codes of one tile, per thread
+        occupancy = warps_per_sm(usage["REG"], kernel.shared_bytes, launch.num_warps)
+        rows.append((label, classify(opcodes), codes_per_thread, usage, occupancy))
+
+    names = list(CLASSES) + ["other", "total"]
+    # a thread's instructions per tile over its share of the tile's codes = issue slots per code, comparable
+    # across tiles and warp counts
+    print("| variant (tile x warps x stages) | " + " | ".join(names) + " | instructions per code "
+          "| registers | spill bytes | warps per SM |")
+    print("|---|" + "---|" * len(names) + "---|---|---|---|")
+    for label, table, codes, usage, occupancy in rows:
+        print(f"| {label} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} "
+              f"| {usage['REG']} | {usage['LOCAL']} | {occupancy} |")
+    if args.json:
+        args.json.write_text(json.dumps(histograms, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
