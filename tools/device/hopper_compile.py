@@ -86,8 +86,9 @@ def compile_only():
 
 
 def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_heads: int = 4) -> None:
-    """Every launch the backend makes, once per head_dim, scheme, query dtype and code path (compile_only records
-    them)."""
+    """Every launch the backend makes, once per head_dim, scheme and query dtype (compile_only records them): at
+    head_dim 128 with every attention code path (attention.CODE_PATHS, which the benchmark and tuning tools sweep),
+    at head_dim 64 the backend's own launches; int4_kivi's store also with a staging pool (kernels/staging.py)."""
     from s4kv.kernels import attention
     from s4kv.kernels.dense import gather_dense_kv
     from s4kv.kernels.layout import KIVI_BLOCK_SIZE, cache_shape
@@ -104,7 +105,12 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
         cache = torch.zeros(cache_shape(num_blocks, num_kv_heads, block_size, head_dim), dtype=torch.uint8)
         kv = torch.zeros(5, num_kv_heads, head_dim, dtype=dtype)
         store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme)
-        for code_path in attention.CODE_PATHS.values():
+        if scheme.is_kivi:
+            pool = torch.zeros(num_seqs, num_kv_heads, block_size, head_dim, dtype=dtype)
+            store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme, staged_keys=pool,
+                     staging_slots=torch.zeros(5, dtype=torch.int64))
+        code_paths = attention.CODE_PATHS.values() if head_dim == 128 else [{}]
+        for code_path in code_paths:
             decode_launch = replace(attention.DECODE_LAUNCH[scheme.name], **code_path)
             prefill_launch = replace(attention.PREFILL_LAUNCH, **code_path)
             workspace = attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cpu")
