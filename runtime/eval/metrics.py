@@ -123,8 +123,27 @@ def compare_teacher_forced(ref: TeacherForced, fmt: TeacherForced) -> dict:
         "mean_kl": float(kl.mean()),
         # every window scores the same number of positions, so their mean is mean_kl: what the bootstrap resamples
         "window_kl": [float(f"{v:.4e}") for v in kl.mean(axis=1)],
+        # per window, the mean negative log-likelihood of the text: perplexity is exp of their mean
+        "window_nll": [float(f"{v:.6e}") for v in -fmt.target_logprobs.astype(np.float64).mean(axis=1)],
         "positions": int(ref.target_logprobs.size),
     }
+
+
+def _paired_resamples(size: int, resamples: int, seed: int) -> np.ndarray:
+    """[resamples, size] window indices: one resample of the windows serves both formats of a pair."""
+    return np.random.default_rng(seed).integers(0, size, size=(resamples, size))
+
+
+def _paired(numerator: list[float], denominator: list[float], what: str) -> tuple[np.ndarray, np.ndarray]:
+    num, den = np.asarray(numerator, np.float64), np.asarray(denominator, np.float64)
+    if num.shape != den.shape or num.ndim != 1 or num.size < 2:
+        raise ValueError(f"{what}: needs two equal lists of at least 2 windows, got {num.shape}, {den.shape}")
+    return num, den
+
+
+def _quantiles(values: np.ndarray, confidence: float) -> tuple[float, float]:
+    tail = (1.0 - confidence) / 2
+    return float(np.quantile(values, tail)), float(np.quantile(values, 1.0 - tail))
 
 
 def ratio_interval(numerator: list[float], denominator: list[float], resamples: int = 2000,
@@ -132,10 +151,15 @@ def ratio_interval(numerator: list[float], denominator: list[float], resamples: 
     """Paired bootstrap over windows of mean(numerator) / mean(denominator): both formats were scored on the same
     windows, so one resample of window indices serves both, and the window-to-window spread that they share (some
     text is harder for every int4 format) cancels out of the ratio."""
-    num, den = np.asarray(numerator, np.float64), np.asarray(denominator, np.float64)
-    if num.shape != den.shape or num.ndim != 1 or num.size < 2:
-        raise ValueError(f"ratio_interval: needs two equal lists of at least 2 windows, got {num.shape}, {den.shape}")
-    picks = np.random.default_rng(seed).integers(0, num.size, size=(resamples, num.size))
-    ratios = num[picks].mean(1) / np.maximum(den[picks].mean(1), FLOOR)
-    tail = (1.0 - confidence) / 2
-    return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1.0 - tail))
+    num, den = _paired(numerator, denominator, "ratio_interval")
+    picks = _paired_resamples(num.size, resamples, seed)
+    return _quantiles(num[picks].mean(1) / np.maximum(den[picks].mean(1), FLOOR), confidence)
+
+
+def perplexity_ratio_interval(window_nll: list[float], reference_window_nll: list[float], resamples: int = 2000,
+                              confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Paired bootstrap over windows of one format's perplexity over another's on the same text,
+    exp(mean nll - mean reference nll) (every window scores the same number of positions)."""
+    nll, ref_nll = _paired(window_nll, reference_window_nll, "perplexity_ratio_interval")
+    picks = _paired_resamples(nll.size, resamples, seed)
+    return _quantiles(np.exp(nll[picks].mean(1) - ref_nll[picks].mean(1)), confidence)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from s4kv.runtime.bench.matrix import FORMATS
 from s4kv.runtime.bench.plot import COLORS
-from .metrics import ratio_interval
+
+from .metrics import perplexity_ratio_interval, ratio_interval
 
 # (key in a regime's metrics, column title, format string)
 COLUMNS = [
@@ -53,6 +54,8 @@ def markdown_table(result: dict) -> str:
             cells = [_cell(metrics.get(key), fmt) for key, _, fmt in COLUMNS]
             lines.append(f"| {label(name, result['engine'])} | " + " | ".join(cells) + " |")
         lines.append("")
+    for name, reason in result.get("unsupported", {}).items():
+        lines.append(f"{label(name, result['engine'])}: not run ({reason})")
     for name, error in result.get("errors", {}).items():
         lines.append(f"{label(name, result['engine'])}: failed ({error.strip().splitlines()[-1]})")
     if result.get("pending"):  # a run cut short: evaluate() saves after every format
@@ -60,43 +63,60 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-# The quality target: each S4 KV scheme at least as good as vLLM's int4 on every metric (True: higher is better)
+# The quality target: each S4 KV scheme at least as good as vLLM's int4 on every metric (True: higher is better),
+# and int4_kivi better than int4_saw
 TARGET_METRICS = [("top1_agreement", "top-1", "{:.2%}", True), ("perplexity_delta_pct", "ppl delta", "{:+.2f}%", False),
                   ("mean_kl", "KL", "{:.2e}", False), ("exact_match", "greedy exact", "{:.0%}", True)]
 TARGET_SCHEMES = ("s4kv_kivi", "s4kv_saw", "s4kv_saw_rotv")
 TARGET_REFERENCE = "vllm_int4"
+TARGET_PAIRS = [(scheme, TARGET_REFERENCE) for scheme in TARGET_SCHEMES] + [("s4kv_kivi", "s4kv_saw")]
 
 
-def _kl_ratio(ours: dict, theirs: dict) -> str:
-    """" (0.97x, 95% CI 0.93-1.01)": our KL over theirs, with its paired-bootstrap interval where the run kept the
-    per-window KL of both (runs before the sixth session did not)."""
-    text = f" ({ours['mean_kl'] / theirs['mean_kl']:.2f}x"
-    windows, reference_windows = ours.get("window_kl", []), theirs.get("window_kl", [])
-    if len(windows) > 1 and len(windows) == len(reference_windows):
-        low, high = ratio_interval(windows, reference_windows)
-        text += f", 95% CI {low:.2f}-{high:.2f}"
-    return text + ")"
+def paired_ratios(ours: dict, theirs: dict) -> dict[str, tuple[float, float, float]]:
+    """Our mean KL and perplexity over theirs on the same windows, each as (ratio, 95% low, 95% high) from a paired
+    bootstrap over the windows; only the metrics whose per-window values the run kept (KL: since the sixth session,
+    perplexity: since the real-model runs)."""
+    ratios = {}
+    if len(ours.get("window_kl", [])) > 1 and len(ours["window_kl"]) == len(theirs.get("window_kl", [])) \
+            and theirs["mean_kl"]:
+        ratios["mean_kl"] = (ours["mean_kl"] / theirs["mean_kl"], *ratio_interval(ours["window_kl"],
+                                                                                  theirs["window_kl"]))
+    if len(ours.get("window_nll", [])) > 1 and len(ours["window_nll"]) == len(theirs.get("window_nll", [])):
+        ratios["perplexity_delta_pct"] = (ours["perplexity"] / theirs["perplexity"],
+                                          *perplexity_ratio_interval(ours["window_nll"], theirs["window_nll"]))
+    return ratios
+
+
+def _ratio_text(key: str, ratio: tuple[float, ...]) -> str:
+    """" (0.97x, 95% CI 0.93-1.01)" for KL, " (ppl 0.985x, 95% CI 0.975-0.996)" for perplexity; the ratio alone
+    where the run kept no per-window values."""
+    if len(ratio) == 1:
+        return f" ({ratio[0]:.2f}x)"
+    if key == "mean_kl":
+        return f" ({ratio[0]:.2f}x, 95% CI {ratio[1]:.2f}-{ratio[2]:.2f})"
+    return f" (ppl {ratio[0]:.3f}x, 95% CI {ratio[1]:.3f}-{ratio[2]:.3f})"
 
 
 def target_check(result: dict) -> list[str]:
-    """One line per (scheme, regime): each metric against vLLM's int4 in the same run, 'ok' or 'MISSED' by the
-    measured values."""
+    """One line per (pair, regime): each metric of the first format against the second in the same run, 'ok' or
+    'MISSED' by the measured values, with the paired intervals of the KL and perplexity ratios."""
     formats = result["formats"]
-    if TARGET_REFERENCE not in formats:
-        return []
     lines = []
-    for scheme in (s for s in TARGET_SCHEMES if s in formats):
+    for scheme, reference in ((a, b) for a, b in TARGET_PAIRS if a in formats and b in formats):
         for regime in result["regimes"]:
-            ours, theirs = formats[scheme][regime], formats[TARGET_REFERENCE][regime]
+            ours, theirs = formats[scheme][regime], formats[reference][regime]
+            ratios = paired_ratios(ours, theirs)
+            if "mean_kl" not in ratios and theirs.get("mean_kl"):  # runs that kept no per-window KL
+                ratios["mean_kl"] = (ours["mean_kl"] / theirs["mean_kl"],)
             verdicts = []
             for key, title, fmt, higher_is_better in TARGET_METRICS:
                 if ours.get(key) is None or theirs.get(key) is None:
                     continue
                 ok = ours[key] >= theirs[key] if higher_is_better else ours[key] <= theirs[key]
-                ratio = _kl_ratio(ours, theirs) if key == "mean_kl" and theirs[key] else ""
-                verdicts.append(f"{title} {fmt.format(ours[key])} vs {fmt.format(theirs[key])}{ratio}: "
+                extra = _ratio_text(key, ratios[key]) if key in ratios else ""
+                verdicts.append(f"{title} {fmt.format(ours[key])} vs {fmt.format(theirs[key])}{extra}: "
                                 f"{'ok' if ok else 'MISSED'}")
-            lines.append(f"{scheme} {regime} vs {label(TARGET_REFERENCE, result['engine'])}: " + "; ".join(verdicts))
+            lines.append(f"{scheme} {regime} vs {label(reference, result['engine'])}: " + "; ".join(verdicts))
     return lines
 
 

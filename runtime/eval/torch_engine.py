@@ -36,47 +36,53 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 class PagedInt4Cache:
-    """Per (layer, sequence) paged int4 caches of one S4 KV scheme; tokens are stored once, in arrival order.
+    """One paged int4 cache per layer for a batch of sequences of one S4 KV scheme; tokens are stored once, in
+    arrival order, every sequence of the batch in the same ``store_kv`` call, as vLLM stores one engine step.
 
-    With ``prefill_tokens`` set, a sequence's first ``prefill_tokens`` tokens go to ``store_kv`` in one call (its
-    prompt's prefill) and every later token in a call of its own (decode steps: an int4_kivi block they fill closes
-    staged). None: all new tokens of a forward in one call."""
+    With ``prefill_tokens`` set, the first ``prefill_tokens`` tokens of the sequences go to ``store_kv`` in one call
+    (their prompts' prefill) and every later position in a call of its own (decode steps: an int4_kivi block they
+    fill closes staged). None: all new tokens of a forward in one call. Sequence b owns blocks
+    ``b * blocks_per_sequence`` onward, so a block only ever holds one sequence's tokens."""
 
     def __init__(self, scheme: Int4Scheme, prefill_tokens: int | None = None):
         self.scheme = scheme
         self.prefill_tokens = prefill_tokens
-        self.caches: dict[tuple[int, int], torch.Tensor] = {}
-        self.lengths: dict[tuple[int, int], int] = {}
+        self.caches: dict[int, torch.Tensor] = {}  # layer -> [batch * blocks_per_sequence, kv_heads, page bytes]
+        self.lengths: dict[int, int] = {}  # layer -> tokens stored per sequence
 
-    def _cache_for(self, slot: tuple[int, int], num_kv_heads: int, head_dim: int, length: int, device) -> torch.Tensor:
+    def _cache_for(self, layer_idx: int, batch: int, num_kv_heads: int, head_dim: int, length: int,
+                   device) -> torch.Tensor:
         blocks = -(-length // BLOCK_SIZE)
-        cache = self.caches.get(slot)
-        if cache is None or cache.shape[0] < blocks:
-            grown = torch.zeros(cache_shape(blocks, num_kv_heads, BLOCK_SIZE, head_dim), dtype=torch.uint8,
+        cache = self.caches.get(layer_idx)
+        if cache is None or cache.shape[0] < batch * blocks:
+            grown = torch.zeros(cache_shape(batch * blocks, num_kv_heads, BLOCK_SIZE, head_dim), dtype=torch.uint8,
                                 device=device)
-            if cache is not None:
-                grown[: cache.shape[0]] = cache
-            cache = self.caches[slot] = grown
+            if cache is not None:  # each sequence's blocks move to its new, longer range
+                old = cache.shape[0] // batch
+                grown.view(batch, blocks, *grown.shape[1:])[:, :old] = cache.view(batch, old, *cache.shape[1:])
+            cache = self.caches[layer_idx] = grown
         return cache
 
     def __call__(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
         batch, num_kv_heads, length, head_dim = key.shape
         check_head_dim(head_dim)
+        stored = self.lengths.get(layer_idx, 0)
+        cache = self._cache_for(layer_idx, batch, num_kv_heads, head_dim, length, key.device)
+        blocks = cache.shape[0] // batch
+        first_slot = torch.arange(batch, device=key.device)[:, None] * blocks * BLOCK_SIZE
+        # only tokens the cache has not seen yet, as in a paged cache
+        bounds = [stored, length] if self.prefill_tokens is None else \
+            sorted({stored, length, *range(max(stored, self.prefill_tokens), length)})
+        for start, stop in zip(bounds, bounds[1:]):
+            slots = first_slot + torch.arange(start, stop, device=key.device)  # [batch, tokens]
+            ref.store_kv(key[:, :, start:stop].transpose(1, 2).reshape(-1, num_kv_heads, head_dim).float(),
+                         value[:, :, start:stop].transpose(1, 2).reshape(-1, num_kv_heads, head_dim).float(),
+                         cache, slots.reshape(-1), self.scheme)
+        self.lengths[layer_idx] = max(stored, length)
         keys, values = [], []
         for b in range(batch):
-            slot = (layer_idx, b)
-            stored = self.lengths.get(slot, 0)
-            cache = self._cache_for(slot, num_kv_heads, head_dim, length, key.device)
-            # only tokens the cache has not seen yet, as in a paged cache
-            bounds = [stored, length] if self.prefill_tokens is None else \
-                sorted({stored, length, *range(max(stored, self.prefill_tokens), length)})
-            for start, stop in zip(bounds, bounds[1:]):
-                ref.store_kv(key[b, :, start:stop].transpose(0, 1).float(),
-                             value[b, :, start:stop].transpose(0, 1).float(),
-                             cache, torch.arange(start, stop, device=key.device), self.scheme)
-            self.lengths[slot] = max(stored, length)
-            k, v = ref.dequantize_sequence(cache, torch.arange(cache.shape[0], device=key.device), length, self.scheme,
-                                           head_dim)
+            k, v = ref.dequantize_sequence(cache, torch.arange(b * blocks, (b + 1) * blocks, device=key.device),
+                                           length, self.scheme, head_dim)
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
         return torch.stack(keys), torch.stack(values)

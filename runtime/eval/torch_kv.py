@@ -28,7 +28,15 @@ def _hooked_attention(module, query, key, value, attention_mask, **kwargs):
 
     transform = _active.get()
     if transform is not None:
-        new_key, new_value = transform(module.layer_idx, key, value)
+        # A transform is many small tensor ops (the paged int4 reference: several per stored token); on a CPU one
+        # torch thread runs them several times faster than two (no hand-off per op), while the model's matrix
+        # products around it keep every thread.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            new_key, new_value = transform(module.layer_idx, key, value)
+        finally:
+            torch.set_num_threads(threads)
         key, value = new_key.to(key.dtype), new_value.to(value.dtype)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 

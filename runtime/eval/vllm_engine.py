@@ -24,6 +24,10 @@ import numpy as np
 
 from s4kv.runtime.bench.matrix import FORMATS
 
+# exit status of a worker whose engine cannot run the format on this machine (vLLM raised NotImplementedError at
+# start-up, e.g. its CPU engine's fp8 cache without AVX-512); the last line of its output says why
+UNSUPPORTED_EXIT = 3
+
 
 def flat_records(flat, targets: list[int], top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(top ids [N, K], top log-probs [N, K], target log-probs [N]) from vLLM's flat log-probs of N positions.
@@ -74,8 +78,12 @@ def run(spec: dict) -> None:
 
     fmt = FORMATS[spec["format"]]
     top_k = spec["top_k"]
-    llm = LLM(model=spec["model"], dtype="bfloat16", seed=0, max_logprobs=top_k, enable_prefix_caching=False,
-              logits_processors=[ForcedTokens], **spec["engine"], **fmt.engine_kwargs())
+    try:
+        llm = LLM(model=spec["model"], dtype="bfloat16", seed=0, max_logprobs=top_k, enable_prefix_caching=False,
+                  logits_processors=[ForcedTokens], **spec["engine"], **fmt.engine_kwargs())
+    except NotImplementedError as unsupported:
+        print(f"vLLM cannot run {fmt.name} on this machine: {unsupported}", flush=True)
+        raise SystemExit(UNSUPPORTED_EXIT) from None
     arrays: dict[str, np.ndarray] = {}
     for regime in spec["regimes"]:
         name, windows, prompts = regime["name"], regime["windows"], regime["prompts"]

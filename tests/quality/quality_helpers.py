@@ -35,6 +35,17 @@ def save_tiny(config, tokenizer_file: Path, folder: Path) -> Path:
     return folder
 
 
+def packaged_model(name: str) -> Path:
+    """The converted folder of a packaged model (runtime/packaged_models.py); skips where its package is absent."""
+    from s4kv.runtime.packaged_models import fetch, gguf_file, lookup
+
+    try:
+        gguf_file(lookup(name))
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
+    return fetch(name)
+
+
 def committed_model(name: str) -> Path:
     folder = REPO / "models" / name
     if not (folder / "config.json").exists():

@@ -1,4 +1,5 @@
-"""The eval report's check of issue 5's target: each scheme against vLLM's int4 of the same run, metric by metric."""
+"""The eval report's check of the targets: each scheme against vLLM's int4 of the same run, and int4_kivi against
+int4_saw, metric by metric."""
 
 import random
 
@@ -22,12 +23,13 @@ def test_each_metric_is_judged_in_its_own_direction():
     better = metrics(0.89, 2.5, 2.0e-2, 0.20)
     worse = metrics(0.87, 3.5, 3.0e-2, 0.05)
     lines = eval_report.target_check(result_with(better, worse))
-    assert len(lines) == 2
-    kivi, saw = lines
+    assert len(lines) == 3
+    kivi, saw, kivi_saw = lines
     assert kivi.startswith("s4kv_kivi short vs vLLM int4_per_token_head:")
     assert "MISSED" not in kivi and kivi.count(": ok") == 4
     assert saw.count("MISSED") == 4
     assert "KL 3.00e-02 vs 2.50e-02 (1.20x): MISSED" in saw
+    assert kivi_saw.startswith("s4kv_kivi short vs s4kv int4_saw:") and kivi_saw.count(": ok") == 4
 
 
 def test_a_tie_meets_the_target_and_one_worse_metric_is_named():
@@ -52,6 +54,15 @@ def test_the_kl_ratio_carries_its_interval_when_the_run_kept_windows():
     assert low <= 0.8 <= high and high - low < 0.1
 
 
+def test_the_perplexity_ratio_carries_its_interval_when_the_run_kept_windows():
+    kivi = dict(metrics(0.89, 2.5, 2.0e-2, 0.2), perplexity=10.0, window_nll=[2.0, 2.5, 2.2, 2.4])
+    result = result_with(kivi)
+    result["formats"]["vllm_int4"]["short"].update(perplexity=10.5, window_nll=[2.05, 2.55, 2.25, 2.45])
+    (line,) = eval_report.target_check(result)
+    # every window is 0.05 nats better: the interval of the perplexity ratio is exactly exp(-0.05)
+    assert "ppl delta +2.50% vs +3.00% (ppl 0.952x, 95% CI 0.951-0.951): ok" in line
+
+
 def test_the_check_renders_as_a_markdown_list():
     text = eval_report.render_target_check(result_with(metrics(0.9, 1.0, 1e-2, 0.5), metrics(0.8, 5.0, 5e-2, 0.0)))
-    assert [line[:12] for line in text.splitlines()] == ["- s4kv_kivi ", "- s4kv_saw s"]
+    assert [line[:12] for line in text.splitlines()] == ["- s4kv_kivi ", "- s4kv_saw s", "- s4kv_kivi "]

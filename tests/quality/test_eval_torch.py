@@ -131,3 +131,26 @@ def test_token_by_token_writes_keep_kivi_blocks_staged(scheme_name):
     torch.testing.assert_close(by_token[0], staged, rtol=0, atol=1e-6)
     if scheme_name == "int4_kivi":
         assert not torch.equal(at_once[0][:, :, :256], by_token[0][:, :, :256])  # per channel vs staged
+
+
+@pytest.mark.parametrize("scheme_name", ["int4_kivi", "int4_saw"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_batch_reads_back_what_each_sequence_alone_does(scheme_name, head_dim):
+    """The paged cache stores a batch's sequences in one store_kv call per step, each in blocks of its own: what
+    attention reads back equals storing each sequence by itself, through a prefill, decode steps and the cache
+    growing by a page mid-way (a greedy continuation's forwards)."""
+    from s4kv.kernels.scheme import Int4Scheme
+    from s4kv.runtime.eval.torch_engine import PagedInt4Cache
+
+    gen = torch.Generator().manual_seed(11)
+    key, value = (torch.randn(3, 2, 300, head_dim, generator=gen) for _ in range(2))
+    scheme = Int4Scheme(scheme_name)
+    for prefill_tokens, forwards in ((130, [300]), (None, [100, 129, 300])):
+        batched, alone = PagedInt4Cache(scheme, prefill_tokens), [PagedInt4Cache(scheme, prefill_tokens)
+                                                                  for _ in range(3)]
+        for length in forwards:
+            together = batched(5, key[:, :, :length], value[:, :, :length])
+            for b, cache in enumerate(alone):
+                by_itself = cache(5, key[b:b + 1, :, :length], value[b:b + 1, :, :length])
+                torch.testing.assert_close(together[0][b:b + 1], by_itself[0], rtol=0, atol=0)
+                torch.testing.assert_close(together[1][b:b + 1], by_itself[1], rtol=0, atol=0)

@@ -95,3 +95,22 @@ def test_default_formats_are_the_issue_formats_and_every_format_has_a_torch_refe
     evaluate.add_arguments(parser)
     assert parser.parse_args(["model"]).formats.split(",") == list(STANDARD_FORMATS)
     assert set(TORCH_FORMATS) == set(FORMATS)  # --engine torch runs whatever --formats names
+
+
+def test_a_format_the_engine_cannot_run_here_is_reported_as_not_run(tiny_model, tmp_path, monkeypatch, capsys):
+    from s4kv.runtime.eval import torch_engine as eval_torch
+    from s4kv.runtime.eval.evaluate import FormatUnsupported
+
+    def refused(prefill_tokens=None):  # what the worker reports when vLLM raises NotImplementedError at start-up
+        raise FormatUnsupported("vLLM cannot run fp8_fa3 on this machine: FP8 KV cache on CPU requires x86 with "
+                                "AVX-512 or AMX.")
+
+    monkeypatch.setitem(eval_torch.TORCH_FORMATS, "fp8_fa3", refused)
+    assert main(["eval", str(tiny_model), "--engine", "torch", "--formats", "fp8_fa3,s4kv_saw",
+                 "--out-dir", str(tmp_path), *SMALL, "--long-windows", "0"]) == 0  # not a failure of the run
+    result = json.loads((tmp_path / f"{tiny_model.name}-torch.json").read_text())
+    assert list(result["formats"]) == ["bf16_fa3", "s4kv_saw"] and list(result["regimes"]) == ["short"]
+    assert "AVX-512" in result["unsupported"]["fp8_fa3"] and "errors" not in result
+    captured = capsys.readouterr()
+    assert "fp8 e4m3 KV: not run (vLLM cannot run fp8_fa3 on this machine: FP8 KV cache" in captured.out
+    assert "`--engine torch` measures its torch reference" in captured.err

@@ -13,6 +13,7 @@ from s4kv.runtime.eval.metrics import (
     first_divergence,
     greedy_match,
     perplexity,
+    perplexity_ratio_interval,
     ratio_interval,
     top1_agreement,
     topk_kl,
@@ -133,6 +134,7 @@ def test_window_kl_averages_to_mean_kl(rng):
     metrics = compare_teacher_forced(ref, noisy)
     assert len(metrics["window_kl"]) == 5
     assert np.mean(metrics["window_kl"]) == pytest.approx(metrics["mean_kl"], rel=1e-4)
+    assert np.exp(np.mean(metrics["window_nll"])) == pytest.approx(metrics["perplexity"], rel=1e-5)
 
 
 def test_ratio_interval_covers_the_ratio_and_shrinks_with_more_windows(rng):
@@ -150,3 +152,14 @@ def test_ratio_interval_covers_the_ratio_and_shrinks_with_more_windows(rng):
 def test_ratio_interval_rejects_unpaired_windows():
     with pytest.raises(ValueError, match="two equal lists"):
         ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0])
+
+
+def test_perplexity_ratio_interval_covers_the_ratio_of_the_perplexities(rng):
+    hardness = rng.uniform(2.0, 4.0, 32)  # per-window nll of the text, shared by both formats
+    worse = hardness + 0.05 + rng.normal(0, 0.01, 32)  # 5% higher perplexity, give or take
+    low, high = perplexity_ratio_interval(list(worse), list(hardness))
+    measured = np.exp(worse.mean() - hardness.mean())
+    assert low < measured < high and 1.0 < low and high < 1.07
+    assert perplexity_ratio_interval([2.0, 3.0], [2.0, 3.0]) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="two equal lists"):
+        perplexity_ratio_interval([1.0], [1.0])
