@@ -59,6 +59,9 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
 DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3, subnormal_codes=True, ptx_unpack=True),
                  "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=3, subnormal_codes=False, ptx_unpack=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
+# The subnormal code path faults (illegal address) on the H200 at head_dim 64, where the biased one passes the GPU
+# tests: a default launch at another head_dim takes the biased codes, an explicit one is refused.
+SUBNORMAL_HEAD_DIMS = (128,)
 
 
 @triton.jit
@@ -415,6 +418,11 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     else:
         block_m = max(64, triton.next_power_of_2(group))
         block_q, launch = block_m // group, launch or PREFILL_LAUNCH
+    if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
+        if not default_launch:
+            raise ValueError(f"LaunchConfig.subnormal_codes is validated on the GPU at head_dim "
+                             f"{', '.join(map(str, SUBNORMAL_HEAD_DIMS))} only, not {head_dim}: use the biased codes")
+        launch = replace(launch, subnormal_codes=False)
     if launch.ptx_unpack and isinstance(_paged_attention_kernel, InterpretedFunction):
         if not default_launch:
             raise ValueError("LaunchConfig.ptx_unpack runs inline PTX, which the Triton interpreter cannot run")

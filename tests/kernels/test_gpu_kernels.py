@@ -28,7 +28,8 @@ from kv_batches import (
 )
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SplitWorkspace, paged_attention
+from s4kv.kernels.attention import (CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SUBNORMAL_HEAD_DIMS, SplitWorkspace,
+                                    paged_attention)
 from s4kv.kernels.dense import gather_dense_kv
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
@@ -137,6 +138,11 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
     launch = DECODE_LAUNCH[scheme.name] if batch.max_query_len == 1 else PREFILL_LAUNCH
     launch = dataclasses.replace(launch, **CODE_PATHS[codes])
     out = torch.full_like(batch.query, float("nan"))
+    if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:  # faults here (illegal address): refused
+        with pytest.raises(ValueError, match="subnormal_codes is validated on the GPU"):
+            paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                            batch.max_query_len, softmax_scale, scheme, out, workspace=workspace, launch=launch)
+        return
     paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
                     batch.max_query_len, softmax_scale, scheme, out, workspace=workspace, launch=launch)
     assert not torch.isnan(out).any(), "NaN in the attention output"
