@@ -40,6 +40,8 @@ def test_vllm_records_match_the_torch_engine(tiny_model, tmp_path, prefill):
     vllm_tf, torch_tf = from_vllm["short"][0], from_torch["short"][0]
     assert vllm_tf.top_ids.shape == (3, 64 - prefill - 1, 5) and from_vllm["short"][1].tokens.shape == (2, 6)
     assert np.all(np.diff(vllm_tf.top_logprobs, axis=-1) <= 0)  # best first
-    np.testing.assert_allclose(vllm_tf.target_logprobs, torch_tf.target_logprobs, atol=0.15)
+    # bf16 arithmetic on one side only: an absolute 0.15 nat, and 1% (under three bf16 ulps) on the large
+    # log-probs of unlikely targets (-20 to -30 nat), where the absolute error grows with the magnitude
+    np.testing.assert_allclose(vllm_tf.target_logprobs, torch_tf.target_logprobs, atol=0.15, rtol=0.01)
     metrics = compare(from_torch, from_vllm)["short"]
     assert metrics["top1_agreement"] > 0.9 and metrics["mean_kl"] < 0.01, metrics

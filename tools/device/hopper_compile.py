@@ -109,10 +109,11 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             pool = torch.zeros(num_seqs, num_kv_heads, block_size, head_dim, dtype=dtype)
             store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme, staged_keys=pool,
                      staging_slots=torch.zeros(5, dtype=torch.int64))
-        code_paths = attention.CODE_PATHS.values() if head_dim == 128 else [{}]
+        # head_dim 64: the backend's own launches (launch=None), which pick the code path that head_dim allows
+        code_paths = attention.CODE_PATHS.values() if head_dim == 128 else [None]
         for code_path in code_paths:
-            decode_launch = replace(attention.DECODE_LAUNCH[scheme.name], **code_path)
-            prefill_launch = replace(attention.PREFILL_LAUNCH, **code_path)
+            decode_launch = None if code_path is None else replace(attention.DECODE_LAUNCH[scheme.name], **code_path)
+            prefill_launch = None if code_path is None else replace(attention.PREFILL_LAUNCH, **code_path)
             workspace = attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cpu")
             q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype)
             decode_qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
