@@ -101,14 +101,15 @@ def test_backend_is_sized_from_the_heads_of_one_rank(llama70b, tp):
 
 
 def test_capacity_plan_counts_kv_bytes_per_rank_as_vllm_pages_do(llama70b):
-    """`s4kv capacity` (what the CDK toolkit deploys) plans the 70B at TP 2 x DP 4 on an 8 x H200 instance, vLLM's
-    config of exactly those flags passes our checks, and the plan sizes int4 blocks per GPU from the KV heads of one
-    rank, as vLLM's page spec does."""
+    """`s4kv capacity` (what the CDK toolkit deploys) plans the 70B on an 8 x H200 instance at the layout with the
+    most concurrent requests (TP 8: the weights split eight ways leave the most KV per GPU), vLLM's config of exactly
+    those flags passes our checks, and the plan sizes int4 blocks per GPU from the KV heads of one rank, as vLLM's
+    page spec does."""
     model = model_shapes.load(str(llama70b))
     instance = catalog.instance_type("p5en.48xlarge")
     plan = capacity.plan(model, instance, "int4_kivi", context=8192)
-    assert (plan.tensor_parallel, plan.data_parallel) == (2, 4)
-    assert plan.vllm_args()[:4] == ["--tensor-parallel-size", "2", "--data-parallel-size", "4"]
+    assert (plan.tensor_parallel, plan.data_parallel) == (8, 1)
+    assert plan.vllm_args()[:2] == ["--tensor-parallel-size", "8"]
     config = vllm_config(llama70b, plan.tensor_parallel, dp=plan.data_parallel)
     assert config.parallel_config.world_size_across_dp == 8
     assert check_vllm_config(config) == S4KVConfig.parse({"scheme": "int4_kivi"})
