@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from s4kv.runtime.cli.demo import wait_until_healthy
+
 from . import report as bench_report
 from .matrix import FORMATS, KVFormat, parse_names
 
@@ -261,20 +263,6 @@ def server_command(fmt: KVFormat, model_dir: Path, port: int, args: argparse.Nam
     return command + list(args.server_arg)
 
 
-def wait_until_healthy(base_url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with status {server.returncode} before it was ready")
-        try:
-            if urllib.request.urlopen(f"{base_url}/health", timeout=5).status == 200:
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"the server did not answer {base_url}/health within {timeout_s:.0f} s")
-
-
 def stop_server(server: subprocess.Popen) -> None:
     """SIGINT first (vLLM shuts its engine down cleanly), then the whole process group."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
@@ -321,7 +309,7 @@ def await_ready(server: Server, deadline: float | None) -> bool:
     """Wait for /health; on failure the record says why. True when the server is ready."""
     try:
         limit = (deadline - time.monotonic()) if deadline else 1800
-        wait_until_healthy(server.base_url, server.process, max(1.0, limit))
+        wait_until_healthy(server.base_url, server.process, max(1.0, limit), poll_s=1.0)
     except (RuntimeError, TimeoutError) as exc:
         server.record.update(status="failed", error=f"{type(exc).__name__}: {exc}")
         return False

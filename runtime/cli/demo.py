@@ -38,7 +38,8 @@ def server_command(model: str, scheme: str, port: int, on_gpu: bool) -> list[str
             *([] if on_gpu else CPU_ENGINE_ARGS)]
 
 
-def wait_until_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+def wait_until_healthy(url: str, server: subprocess.Popen, timeout_s: float, poll_s: float = 2.0) -> None:
+    """Until GET {url}/health answers 200; an error if the server exits first or the time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -49,7 +50,7 @@ def wait_until_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> 
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
-        time.sleep(2)
+        time.sleep(poll_s)
     raise TimeoutError(f"the server did not answer {url}/health within {timeout_s:.0f} s")
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from s4kv.runtime.cli.demo import CPU_ENGINE_ARGS, stop
+from s4kv.runtime.cli.demo import CPU_ENGINE_ARGS, stop, wait_until_healthy
 from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_ENGINE_DIED, EXIT_UNSUPPORTED
 from s4kv.runtime.bundled_models import FACTS, QWEN2, bundled_model_dir, chat_text
 
@@ -50,20 +50,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         return sock.getsockname()[1]
-
-
-def wait_for_health(port: int, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with status {process.returncode} before it was ready")
-        try:
-            if http_request(port, "GET", "/health")[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"the server did not answer /health within {timeout_s:.0f} s")
 
 
 def http_request(port: int, method: str, path: str, headers: dict | None = None, body: bytes | None = None,
@@ -137,7 +123,7 @@ def server(request, tmp_path_factory):
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     running = Server(scheme, process, port, key, log_path)
     try:
-        wait_for_health(port, process, START_TIMEOUT_S)
+        wait_until_healthy(f"http://{HOST}:{port}", process, START_TIMEOUT_S)
     except (RuntimeError, TimeoutError):
         stop(process)
         pytest.fail("server did not start:\n" + running.log()[-8000:])
