@@ -4,8 +4,10 @@ Every layer's post-RoPE keys and values pass through a transform (torch_kv.py) t
 format's KV cache would and hands attention what that cache gives back:
 
 * ``s4kv_kivi`` / ``s4kv_saw``: the S4 KV torch reference (``s4kv.kernels.reference``): each sequence and layer
-  owns a paged int4 cache; new tokens are written with ``store_kv`` (so KIVI blocks close exactly as in vLLM:
-  per channel when one write holds the whole block, else staged) and attention reads ``dequantize_sequence``;
+  owns a paged int4 cache; new tokens are written with ``store_kv`` and attention reads ``dequantize_sequence``;
+  int4_kivi with a staging pool (kernels/staging.py), one slot per sequence: every closed block per channel from
+  its original keys, the open block's keys read from the pool (per query position: the transform hands attention
+  both key sets and a mask, open_block_visibility);
 * ``bf16_fa3``: K/V rounded to bf16 (what a bf16 cache holds); the reference of the comparison;
 * ``fp8_fa3``: K/V cast to fp8 e4m3 with scale 1 (saturating), as vLLM's fp8 cache without checkpoint scales;
 * ``vllm_int4``: an emulation of vLLM's int4_per_token_head: a head-wide Hadamard with fixed random signs, then
@@ -25,6 +27,7 @@ from s4kv.kernels import reference as ref
 from s4kv.kernels.hadamard import block_hadamard
 from s4kv.kernels.layout import check_head_dim, cache_shape
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.staging import allocate_pool
 from s4kv.runtime.schemes import KIVI, SAW
 
 from .data import RegimeInputs
@@ -40,15 +43,16 @@ class PagedInt4Cache:
     arrival order, every sequence of the batch in the same ``store_kv`` call, as vLLM stores one engine step.
 
     With ``prefill_tokens`` set, the first ``prefill_tokens`` tokens of the sequences go to ``store_kv`` in one call
-    (their prompts' prefill) and every later position in a call of its own (decode steps: an int4_kivi block they
-    fill closes staged). None: all new tokens of a forward in one call. Sequence b owns blocks
-    ``b * blocks_per_sequence`` onward, so a block only ever holds one sequence's tokens."""
+    (their prompts' prefill) and every later position in a call of its own (decode steps). None: all new tokens of
+    a forward in one call. Sequence b owns blocks ``b * blocks_per_sequence`` onward, so a block only ever holds one
+    sequence's tokens, and int4_kivi's staging slot b."""
 
     def __init__(self, scheme: Int4Scheme, prefill_tokens: int | None = None):
         self.scheme = scheme
         self.prefill_tokens = prefill_tokens
         self.caches: dict[int, torch.Tensor] = {}  # layer -> [batch * blocks_per_sequence, kv_heads, page bytes]
         self.lengths: dict[int, int] = {}  # layer -> tokens stored per sequence
+        self.pools: dict[int, torch.Tensor] = {}  # layer -> int4_kivi's staging pool, slot b = sequence b
 
     def _cache_for(self, layer_idx: int, batch: int, num_kv_heads: int, head_dim: int, length: int,
                    device) -> torch.Tensor:
@@ -70,22 +74,47 @@ class PagedInt4Cache:
         cache = self._cache_for(layer_idx, batch, num_kv_heads, head_dim, length, key.device)
         blocks = cache.shape[0] // batch
         first_slot = torch.arange(batch, device=key.device)[:, None] * blocks * BLOCK_SIZE
+        pool = None
+        if self.scheme.is_kivi:
+            pool = self.pools.setdefault(layer_idx, allocate_pool(batch, num_kv_heads, BLOCK_SIZE, head_dim,
+                                                                  torch.float32, key.device))
         # only tokens the cache has not seen yet, as in a paged cache
         bounds = [stored, length] if self.prefill_tokens is None else \
             sorted({stored, length, *range(max(stored, self.prefill_tokens), length)})
         for start, stop in zip(bounds, bounds[1:]):
             slots = first_slot + torch.arange(start, stop, device=key.device)  # [batch, tokens]
+            sequence = torch.arange(batch, device=key.device)[:, None].expand_as(slots).reshape(-1)
             ref.store_kv(key[:, :, start:stop].transpose(1, 2).reshape(-1, num_kv_heads, head_dim).float(),
                          value[:, :, start:stop].transpose(1, 2).reshape(-1, num_kv_heads, head_dim).float(),
-                         cache, slots.reshape(-1), self.scheme)
+                         cache, slots.reshape(-1), self.scheme, pool, None if pool is None else sequence)
         self.lengths[layer_idx] = max(stored, length)
         keys, values = [], []
         for b in range(batch):
             k, v = ref.dequantize_sequence(cache, torch.arange(b * blocks, (b + 1) * blocks, device=key.device),
-                                           length, self.scheme, head_dim)
+                                           length, self.scheme, head_dim, pool, b)
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
-        return torch.stack(keys), torch.stack(values)
+        keys, values = torch.stack(keys), torch.stack(values)
+        if pool is None:
+            return keys, values
+        # what each new position's step read: the closed blocks as stored, its own open block's original keys (the
+        # pool's) up to itself; both key sets side by side, the mask picking one per (query, key)
+        visible = open_block_visibility(bounds, length, key.device)
+        return torch.cat([keys, key.float()], 2), torch.cat([values, values], 2), visible[None, None]
+
+
+def open_block_visibility(bounds: list[int], length: int, device) -> torch.Tensor:
+    """For int4_kivi with its pool, bool [new tokens, 2 * length]: which stored keys (first half) and which original
+    keys (second half) the query at each new position sees, its tokens written by the stores ``bounds`` delimits.
+    After the store of a position's step the blocks below ``closed_end`` are closed, per channel; the keys from
+    there up to the position are the open block's, which attention reads from the pool."""
+    step_end = torch.cat([torch.full((stop - start,), stop, device=device) for start, stop in zip(bounds, bounds[1:])])
+    closed_end = step_end // BLOCK_SIZE * BLOCK_SIZE
+    position = torch.arange(bounds[0], length, device=device)[:, None]
+    key_position = torch.arange(length, device=device)[None, :]
+    causal = key_position <= position
+    stored = causal & (key_position < closed_end[:, None])
+    return torch.cat([stored, causal & ~stored], 1)
 
 
 def round_to(dtype: torch.dtype) -> KVTransform:
