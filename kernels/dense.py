@@ -3,8 +3,9 @@
 Prefill is compute-bound: FlashAttention on tensor cores beats any int4-reading kernel there, so the backend
 hands a prefill chunk to FA over ``[cached prefix dequantized from int4 | the chunk's fresh K/V]``. Only the
 prefix comes from the cache (in the original, un-rotated space); the new tokens are copied exactly, as vLLM's
-own FA path sees them. int4_kivi with its staging pool (kernels/staging.py) reads the cached part of a sequence's open
-block from the pool: the original keys, as attention does. The buffer is varlen: sequence i occupies rows ``cu_seqlens_k[i] : cu_seqlens_k[i + 1]``.
+own FA path sees them. int4_kivi with its staging pool (kernels/staging.py) reads the cached part of a sequence's
+open block from the pool: the original keys, as attention does. The buffer is varlen: sequence i occupies rows
+``cu_seqlens_k[i] : cu_seqlens_k[i + 1]``.
 """
 
 from __future__ import annotations

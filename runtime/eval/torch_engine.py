@@ -36,6 +36,7 @@ from .torch_kv import KVTransform, kv_transform
 
 BLOCK_SIZE = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+POOL_DTYPE = torch.bfloat16  # what int4_kivi's staging pool holds in a bf16 deployment
 
 
 class PagedInt4Cache:
@@ -98,9 +99,11 @@ class PagedInt4Cache:
         if pool is None:
             return keys, values
         # what each new position's step read: the closed blocks as stored, its own open block's original keys (the
-        # pool's) up to itself; both key sets side by side, the mask picking one per (query, key)
+        # pool's) up to itself; both key sets side by side, the mask picking one per (query, key). The pool holds
+        # keys in the served model's dtype: bf16, as the bf16_fa3 reference's cache
         visible = open_block_visibility(bounds, length, key.device)
-        return torch.cat([keys, key.float()], 2), torch.cat([values, values], 2), visible[None, None]
+        originals = key.to(POOL_DTYPE).float()
+        return torch.cat([keys, originals], 2), torch.cat([values, values], 2), visible[None, None]
 
 
 def open_block_visibility(bounds: list[int], length: int, device) -> torch.Tensor:
