@@ -192,7 +192,7 @@ def cache_and_pool_with_prefix(batch: PagedBatch, gen: torch.Generator, device,
     num_seqs = len(batch.specs)
     staged_keys = torch.full((num_seqs + spare_slots, batch.num_kv_heads, batch.block_size, batch.head_dim),
                              float("nan"), dtype=batch.key.dtype, device=device)
-    store_slots = torch.randperm(num_seqs + spare_slots, generator=gen)[:num_seqs].tolist()
+    store_slots = torch.randperm(num_seqs + spare_slots, generator=gen, device=gen.device)[:num_seqs].tolist()
     ends_open = [int(n) % batch.block_size != 0 for n in batch.seq_lens.tolist()]
     pool = StagingPool(staged_keys, store_slots,
                        torch.tensor([s if o else -1 for s, o in zip(store_slots, ends_open)], dtype=torch.int32,
