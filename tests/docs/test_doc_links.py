@@ -70,7 +70,8 @@ def test_the_checker_finds_links_and_flags_broken_ones(tmp_path):
     (tmp_path / "outside.md").write_text("# Out\n", encoding="utf-8")
     (repo / "docs" / "other.md").write_text("# Import rules: what may import what\n", encoding="utf-8")
     probe = repo / "docs" / "page.md"
-    probe.write_text("# Top\n## Top\n[a](missing.md) [b](other.md#no-such) [c](other.md#import-rules-what-may-import-what)\n"
+    probe.write_text("# Top\n## Top\n[a](missing.md) [b](other.md#no-such)\n"
+                     "[c](other.md#import-rules-what-may-import-what)\n"
                      "[d](#top-1) ![e](https://example.com/x.png) `[f](missing-in-code.md)`\n"
                      "```\n[g](missing-in-fence.md)\n```\n[h](../../outside.md) [i](./)\n", encoding="utf-8")
     assert broken_links(probe, root=repo) == ["missing.md: no such file",
