@@ -42,11 +42,12 @@ TARGETS = {
     ("s4kv_saw", "vllm_int4", "mean_kl"): {"better", "level"},
     ("s4kv_saw", "vllm_int4", "perplexity_delta_pct"): {"better", "level"},
 }
-# Where the code as it is misses a target: the relation measured instead (docs/results/quality.md, SmolLM2).
-MEASURED_MISSES: dict[tuple[str, str, str, str], str] = {
-    # after a served prompt int4_kivi's perplexity is ahead on the mean, but the interval over 8 windows holds 1
-    ("served", "s4kv_kivi", "vllm_int4", "perplexity_delta_pct"): "level",
-    ("served", "s4kv_kivi", "s4kv_saw", "perplexity_delta_pct"): "level",
+# Where the code as it is misses a target: the relations accepted instead, the measured one first
+# (docs/results/quality.md, SmolLM2).
+MEASURED_MISSES: dict[tuple[str, str, str, str], set[str]] = {
+    # after a served prompt int4_kivi's perplexity is ahead of vLLM's int4 on the mean (ratio 0.978), but the
+    # interval over 8 windows ends just above 1 (1.001): level, where "better" meets the target
+    ("served", "s4kv_kivi", "vllm_int4", "perplexity_delta_pct"): {"level", "better"},
 }
 
 
@@ -72,7 +73,7 @@ def test_target_against_the_paired_interval(condition_result, target):
     assert list(formats) == FORMATS.split(",") and result["regimes"]["short"]["windows"] == 8
     ours, theirs, metric = target
     ratio, low, high = paired_ratios(formats[ours]["short"], formats[theirs]["short"])[metric]
-    expected = {MEASURED_MISSES[key]} if key in MEASURED_MISSES else TARGETS[target]
+    expected = MEASURED_MISSES.get(key, TARGETS[target])
     assert relation(low, high) in expected, (key, ratio, low, high, sorted(expected))
 
 
