@@ -22,9 +22,9 @@ from s4kv.runtime.bundled_models import HELDOUT
 from s4kv.runtime.eval.data import load_heldout
 
 SHARED_PREFIX = 256
-TAILS = (5, 40, 77, 127, 128, 150, 20, 99, 3, 64)  # tokens after the shared prefix: inside, at and past a page end
-GENERATE = 96
-BLOCKS_UNDER_PRESSURE = 10  # pages of 128 tokens: about two of the ten requests at a time
+TAILS = (5, 40, 77, 127, 128, 150, 99, 3)  # tokens after the shared prefix: inside, at and past a page end
+GENERATE = 48
+BLOCKS_UNDER_PRESSURE = 8  # pages of 128 tokens: about two of the eight requests at a time
 
 CONDITIONS = {
     "reference": dict(enable_prefix_caching=False, max_num_batched_tokens=4096),
