@@ -160,6 +160,24 @@ def staging_builders(runner: Any) -> list[tuple[int, Any]]:
     return found
 
 
+def departed_requests(runner: Any, scheduler_output: Any) -> list[Any]:
+    """The cached states (``CachedRequestState``) of the requests that leave the batch for good (finished, aborted)
+    or until they are recomputed (preempted), read before the runner drops them."""
+    gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+    return [runner.requests[r] for r in gone if r in runner.requests]
+
+
+def announce_step(runner: Any, scheduler_output: Any, departed: list[Any]) -> None:
+    """After the runner updated its batch: every staging builder releases the departed requests' slots and, for a
+    step that runs the model (its metadata is built next), gets the batch's host block table."""
+    for group_id, builder in staging_builders(runner):
+        released = [block for state in departed for block in state.block_ids[group_id]]
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            builder.staging.begin_step(runner.input_batch.block_table[group_id].block_table.np, released)
+        else:
+            builder.staging.slots.release_blocks(released)
+
+
 def install_step_hook() -> None:
     """Wrap vLLM 0.26's V1 ``GPUModelRunner._update_states`` once per process (idempotent; the plugin's version
     gate, version.py, refuses every other vLLM before this runs)."""
@@ -171,22 +189,9 @@ def install_step_hook() -> None:
 
     @functools.wraps(original)
     def _update_states(self, scheduler_output):
-        builders = staging_builders(self)
-        if not builders:
-            return original(self, scheduler_output)
-        # the blocks of requests that leave the batch for good (finished, aborted) or until they are recomputed
-        # (preempted), read before the original drops their cached state
-        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-        states = [self.requests[r] for r in gone if r in self.requests]
+        departed = departed_requests(self, scheduler_output)
         result = original(self, scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens > 0:  # a step whose metadata will be built
-            for group_id, builder in builders:
-                released = [b for state in states for b in state.block_ids[group_id]]
-                block_table = self.input_batch.block_table[group_id].block_table.np
-                builder.staging.begin_step(block_table, released)
-        else:
-            for group_id, builder in builders:
-                builder.staging.slots.release_blocks(b for state in states for b in state.block_ids[group_id])
+        announce_step(self, scheduler_output, departed)
         return result
 
     _update_states.s4kv_staging_hook = True

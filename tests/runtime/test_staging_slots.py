@@ -14,7 +14,7 @@ from s4kv.kernels.layout import cache_shape
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.staging import allocate_pool
 from s4kv.runtime.plugin.staging import (NO_SLOT, SlotAssignment, StagingAssignmentError, StagingBuffers,
-                                         StagingPoolExhausted)
+                                         StagingPoolExhausted, announce_step, departed_requests)
 
 BSZ = 128
 
@@ -97,6 +97,38 @@ def test_buffers_fill_tokens_and_sequences_and_ignore_unannounced_builds():
     tokens, seqs = buffers.build(10, 4, query_start, seq_lens)  # a dummy run: no step announced
     assert tokens.tolist() == [NO_SLOT] * 10 and seqs.tolist() == [NO_SLOT] * 4 and buffers.slots.held == held
     assert tokens.data_ptr() == address  # the persistent buffer, as full CUDA graphs replay it
+
+
+def test_the_runner_hook_releases_finished_and_preempted_requests_and_announces_the_step():
+    from types import SimpleNamespace as NS
+
+    buffers = StagingBuffers(num_slots=3, block_size=BSZ, max_tokens=16, device=torch.device("cpu"))
+    buffers.slots.assign(np.array([0, 0, 0]), np.array([5, 6, 7]), np.array([[3], [4], [5]]))
+    table = np.array([[5, 0], [9, 0]], dtype=np.int32)
+    runner = NS(attn_groups=[[NS(kv_cache_group_id=0, metadata_builders=[NS(staging=buffers), NS()])]],
+                requests={"done": NS(block_ids=([3],)), "preempted": NS(block_ids=([4],)), "running": NS(block_ids=([5],))},
+                input_batch=NS(block_table=[NS(block_table=NS(np=table))]))
+    output = NS(finished_req_ids={"done", "unknown"}, preempted_req_ids={"preempted"}, total_num_scheduled_tokens=0)
+    departed = departed_requests(runner, output)
+    announce_step(runner, output, departed)  # a step without tokens: releases, announces nothing
+    assert buffers.slots.held == {5: 2}
+    assert buffers.build(2, 2, torch.tensor([0, 1, 2]), torch.tensor([8, 1]))[0].tolist() == [NO_SLOT] * 2
+    announce_step(runner, NS(finished_req_ids=set(), preempted_req_ids=None, total_num_scheduled_tokens=2), [])
+    tokens, seqs = buffers.build(2, 2, torch.tensor([0, 1, 2]), torch.tensor([8, 1]))
+    # the running request continues slot 2, a new one takes a released slot
+    assert tokens[0] == 2 and tokens[1] in (0, 1) and seqs.tolist() == tokens.tolist()
+
+
+def test_a_kivi_builder_owns_the_buffers_and_a_saw_builder_none(tmp_path):
+    from test_backend_metadata import make_builder
+
+    from model_configs import QWEN25_7B, write_model_dir
+
+    model_dir = write_model_dir(tmp_path, "qwen", QWEN25_7B)
+    kivi = make_builder(model_dir, None, scheme="int4_kivi")
+    assert kivi.staging.slots.num_slots == kivi.vllm_config.scheduler_config.max_num_seqs
+    assert kivi.staging.staging_slots.shape[0] == kivi.vllm_config.scheduler_config.max_num_batched_tokens
+    assert make_builder(model_dir, None).staging is None
 
 
 def test_the_assigned_slots_make_pages_a_function_of_their_keys():
