@@ -5,7 +5,8 @@ its staging pool: every closed page per channel from its original keys, whatever
 
 The model is the trained head_dim-128 reference model (s4kv-ref-qwen2): its greedy continuations depend on the
 stored bytes (the two int4 schemes continue differently), which the bundled tiny models, memorizing their answers,
-do not. About 3 minutes on 2 cores (tests/runtime/invariance_job.py: nine engines, one per condition and format).
+do not. About 8 minutes on 2 shared cores (tests/runtime/invariance_job.py: nine engines, one per condition and
+format).
 """
 
 from __future__ import annotations
@@ -55,8 +56,18 @@ def test_greedy_output_depends_on_the_stored_bytes(outputs):
     assert outputs["int4_kivi"]["reference"] != outputs["int4_saw"]["reference"]
 
 
-@pytest.mark.parametrize("scheme", ["int4_kivi", "int4_saw"])
-@pytest.mark.parametrize("pressure", PRESSURES)
+# What the read side still lets depend on the load: not the stored pages (test_staging_slots.py: a function of their
+# keys whatever the chunking, batching or recompute), but attention reads a query's own, still open block
+# from its per-token codes when earlier steps wrote part of it (chunked prefill, decode, the recompute's chunks),
+# and per channel when the query's step closes it (a one-shot prefill). Layer 1 onward then sees other inputs.
+OPEN_BLOCK_READ = pytest.mark.xfail(strict=True, reason=(
+    "int4_kivi attention reads the query's own block per token while it is open and per channel once the same step "
+    "closed it, so chunking and recompute change what a prompt token attends to"))
+CASES = [pytest.param("int4_kivi", p, marks=OPEN_BLOCK_READ) if p != "alone" else ("int4_kivi", p) for p in PRESSURES]
+CASES += [("int4_saw", p) for p in PRESSURES]
+
+
+@pytest.mark.parametrize("scheme, pressure", CASES)
 def test_int4_output_is_the_same_under_load_wherever_bf16_is(outputs, scheme, pressure):
     bf16, int4 = outputs["bf16"], outputs[scheme]
     stable = [i for i, tokens in enumerate(bf16[pressure]) if tokens == bf16["reference"][i]]
