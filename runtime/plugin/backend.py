@@ -8,6 +8,8 @@ directly (memory-bound: 3.8x fewer bytes than bf16). Prefill chunks are compute-
 (int4 prefix dequantized + the chunk's fresh K/V) are gathered into a dense buffer and run through vLLM's own
 FlashAttention (FA3 on Hopper, FA2 elsewhere); the batch is reordered decodes-first to split it. The CPU path
 (cpu_backend.py) reuses the backend, metadata and builder defined here and swaps the kernels for the torch reference.
+int4_kivi layers also own a staging pool (the open blocks' original keys); the builder assigns its slots per step
+(staging.py) and the store closes every block per channel from them.
 """
 
 from __future__ import annotations
