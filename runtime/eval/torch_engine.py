@@ -46,14 +46,14 @@ class PagedInt4Cache:
     With ``prefill_tokens`` set, the first ``prefill_tokens`` tokens of the sequences go to ``store_kv`` in one call
     (their prompts' prefill) and every later position in a call of its own (decode steps). None: all new tokens of
     a forward in one call. Sequence b owns blocks ``b * blocks_per_sequence`` onward, so a block only ever holds one
-    sequence's tokens, and int4_kivi's staging slot b."""
+    sequence's tokens, and, for int4_kivi, slot b of the layer's staging pool (kernels/staging.py)."""
 
     def __init__(self, scheme: Int4Scheme, prefill_tokens: int | None = None):
         self.scheme = scheme
         self.prefill_tokens = prefill_tokens
         self.caches: dict[int, torch.Tensor] = {}  # layer -> [batch * blocks_per_sequence, kv_heads, page bytes]
         self.lengths: dict[int, int] = {}  # layer -> tokens stored per sequence
-        self.pools: dict[int, torch.Tensor] = {}  # layer -> int4_kivi's staging pool, slot b = sequence b
+        self.pools: dict[int, torch.Tensor] = {}  # layer -> int4_kivi staging pool [batch, kv_heads, 128, head_dim]
 
     def _cache_for(self, layer_idx: int, batch: int, num_kv_heads: int, head_dim: int, length: int,
                    device) -> torch.Tensor:
@@ -75,19 +75,23 @@ class PagedInt4Cache:
         cache = self._cache_for(layer_idx, batch, num_kv_heads, head_dim, length, key.device)
         blocks = cache.shape[0] // batch
         first_slot = torch.arange(batch, device=key.device)[:, None] * blocks * BLOCK_SIZE
-        pool = None
-        if self.scheme.is_kivi:
-            pool = self.pools.setdefault(layer_idx, allocate_pool(batch, num_kv_heads, BLOCK_SIZE, head_dim,
-                                                                  torch.float32, key.device))
         # only tokens the cache has not seen yet, as in a paged cache
         bounds = [stored, length] if self.prefill_tokens is None else \
             sorted({stored, length, *range(max(stored, self.prefill_tokens), length)})
+        staging = {}
+        if self.scheme.is_kivi:
+            if layer_idx not in self.pools:
+                self.pools[layer_idx] = allocate_pool(batch, num_kv_heads, BLOCK_SIZE, head_dim, torch.float32,
+                                                      key.device)
+            staging["staged_keys"] = self.pools[layer_idx]
+        pool = staging.get("staged_keys")
         for start, stop in zip(bounds, bounds[1:]):
             slots = first_slot + torch.arange(start, stop, device=key.device)  # [batch, tokens]
-            sequence = torch.arange(batch, device=key.device)[:, None].expand_as(slots).reshape(-1)
+            if self.scheme.is_kivi:  # every token of sequence b stages into slot b
+                staging["staging_slots"] = torch.arange(batch, device=key.device).repeat_interleave(stop - start)
             ref.store_kv(key[:, :, start:stop].transpose(1, 2).reshape(-1, num_kv_heads, head_dim).float(),
                          value[:, :, start:stop].transpose(1, 2).reshape(-1, num_kv_heads, head_dim).float(),
-                         cache, slots.reshape(-1), self.scheme, pool, None if pool is None else sequence)
+                         cache, slots.reshape(-1), self.scheme, **staging)
         self.lengths[layer_idx] = max(stored, length)
         keys, values = [], []
         for b in range(batch):
