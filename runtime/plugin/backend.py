@@ -149,14 +149,15 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         self.workspace = self._allocate_workspace()
 
     def _allocate_workspace(self) -> Any:
-        # Split-KV decode buffers, once per builder, before any CUDA-graph capture.
+        # Split-KV decode buffers, once per builder, before any CUDA-graph capture; no decode batch holds more
+        # sequences than the scheduler's max_num_seqs.
         from s4kv.kernels.attention import SplitWorkspace
 
         model_config = self.vllm_config.model_config
         parallel = self.vllm_config.parallel_config
         return SplitWorkspace.allocate(
             model_config.get_num_attention_heads(parallel), model_config.get_num_kv_heads(parallel),
-            model_config.get_head_size(), self.device
+            model_config.get_head_size(), self.device, max_num_seqs=self.vllm_config.scheduler_config.max_num_seqs
         )
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,

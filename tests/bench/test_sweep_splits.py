@@ -15,8 +15,8 @@ def test_candidates_bound_the_grid_by_programs_per_sm():
     assert sweep_splits.split_candidates(4096, 8, 132) == [1]
 
 
-def rows(times_by_case):
-    return [dict(shape="qwen2.5-7b", batch=32, context=context, method=scheme, splits=splits, us=us)
+def rows(times_by_case, shape="qwen2.5-7b", batch=32):
+    return [dict(shape=shape, batch=batch, context=context, method=scheme, splits=splits, us=us, num_sms=132)
             for (scheme, context), by_split in times_by_case.items() for splits, us in by_split.items()]
 
 
@@ -25,15 +25,44 @@ def test_choose_minimizes_the_worst_slowdown_over_contexts_and_schemes():
                      ("int4_kivi", 32768): {4: 600.0, 8: 500.0, 32: 450.0},
                      ("int4_saw", 32768): {4: 500.0, 8: 420.0, 32: 400.0}})
     measured.append(dict(shape="qwen2.5-7b", batch=32, context=4096, method="fa3_bf16", splits=None, us=80.0))
-    pick = sweep_splits.choose_splits(measured)[("qwen2.5-7b", 32)]
+    pick = sweep_splits.choose_splits(measured)[32 * 4]  # keyed by KV-head programs: batch x 4 KV heads
     # 8: worst 500/450 = 1.11x; 32: 150/90 = 1.67x; 4: 600/450 = 1.33x
     assert pick["splits"] == 8
     assert abs(pick["worst"] - 500 / 450) < 1e-9
 
 
+def test_choose_pools_shapes_with_the_same_kv_head_programs():
+    # Qwen2.5 batch 64 and Llama-3.1 batch 32 both give 256 KV-head programs
+    measured = rows({("int4_saw", 4096): {2: 100.0, 4: 90.0}}, batch=64) + \
+        rows({("int4_saw", 4096): {2: 100.0, 4: 200.0}}, shape="llama-3.1-8b", batch=32)
+    pick = sweep_splits.choose_splits(measured)[256]
+    assert pick["splits"] == 2 and len(pick["cases"]) == 2
+
+
 def test_choose_ignores_counts_missing_from_a_case():
     measured = rows({("int4_kivi", 4096): {8: 90.0, 16: 50.0}, ("int4_kivi", 32768): {8: 500.0}})
-    assert sweep_splits.choose_splits(measured)[("qwen2.5-7b", 32)]["splits"] == 8
+    assert sweep_splits.choose_splits(measured)[128]["splits"] == 8
+
+
+def test_split_table_bounds_at_geometric_midpoints_and_merges_equal_neighbours():
+    chosen = {4: {"splits": 64}, 32: {"splits": 16}, 128: {"splits": 16}, 1024: {"splits": 2}, 2048: {"splits": 1}}
+    table = sweep_splits.split_table(chosen, 132)
+    assert table == ((round((4 * 32) ** 0.5 / 132, 3), 64), (round((128 * 1024) ** 0.5 / 132, 3), 16),
+                     (round((1024 * 2048) ** 0.5 / 132, 3), 2), (float("inf"), 1))
+
+
+def test_apply_rewrites_the_kernels_table_and_the_rule_reads_it():
+    from s4kv.kernels import attention
+
+    source = sweep_splits.ATTENTION_SOURCE.read_text()
+    table = ((0.5, 32), (2.0, 4), (float("inf"), 1))
+    written = sweep_splits.apply_split_table(source, table)
+    assert "DECODE_SPLITS = ((0.5, 32), (2.0, 4), (math.inf, 1))\n" in written
+    assert written.count("DECODE_SPLITS = (") == 1
+    namespace = {"math": __import__("math")}
+    exec(sweep_splits.DECODE_SPLITS_LINE.search(written).group(0), namespace)
+    assert namespace["DECODE_SPLITS"] == table
+    assert attention.decode_splits(33, 4, 132, namespace["DECODE_SPLITS"]) == 4  # 132 / 132 = 1.0 per SM
 
 
 def test_render_marks_the_fastest_count():

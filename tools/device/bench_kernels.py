@@ -14,8 +14,6 @@ batches 1/32/128/256, for:
              fp16 subnormal MMA operands, and/or unpacked by inline PTX)
   s4kv_saw_rotv   int4_saw with its rotate_values option (values rotated like keys, as vLLM's int4 does), at the
              committed decode launch
-  s4kv_*_t1, s4kv_*_t16   the default launch with the split-KV workspace aiming at 1 or 16 programs per SM
-             instead of the backend's 4 (SplitWorkspace.target_programs): how many splits each shape wants
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
 
 Every cache is filled through its own store path from the same random K/V, pages are handed out in a
@@ -51,11 +49,8 @@ HEAD_DIM = 128
 BYTES_PER_TOKEN_HEAD = {"int4": 136, "fp8": 2 * HEAD_DIM, "bf16": 2 * HEAD_DIM * 2}
 # code path (kernels.attention.CODE_PATHS) -> method-name suffix
 CODE_PATH_SUFFIX = {"biased": "", "subnormal": "_sub", "biased+ptx": "_ptx", "subnormal+ptx": "_sub_ptx"}
-# split-KV workspace targets measured beside the backend's 4 programs per SM: method-name suffix -> programs per SM
-SPLIT_TARGET_SUFFIX = {"_t1": 1, "_t16": 16}
 METHODS = ("fa3_bf16", "fa3_fp8", "vllm_int4") + tuple(f"s4kv_{scheme}{suffix}" for suffix in CODE_PATH_SUFFIX.values()
-                                             for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv",) + tuple(
-    f"s4kv_{scheme}{suffix}" for suffix in SPLIT_TARGET_SUFFIX for scheme in ("kivi", "saw"))
+                                             for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv",)
 FORMAT_OF = {method: {"fa3_bf16": "bf16", "fa3_fp8": "fp8"}.get(method, "int4") for method in METHODS}
 VLLM_BLOCK_SIZE = 16  # vLLM 0.26.0's default block size for FLASH_ATTN and TRITON_ATTN
 S4KV_BLOCK_SIZE = 128  # our backend forces 128 (a KIVI key group is one page)
@@ -295,17 +290,17 @@ def s4kv_decode_call(scheme, problem: DecodeProblem, cache: torch.Tensor, block_
 
 
 def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, block_table: torch.Tensor,
-               out: torch.Tensor, programs_per_sm: int | None = None):
+               out: torch.Tensor):
     """Our cache filled by our store kernel, read by our paged attention: the scheme's decode launch with one code
     path, or with ``code_path`` None the launch paged_attention picks itself (DECODE_LAUNCH); the split workspace
-    as our backend allocates it, or aiming at ``programs_per_sm`` programs per SM."""
+    as our backend allocates it (splits by DECODE_SPLITS)."""
     from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, SplitWorkspace
     from s4kv.kernels.scheme import Int4Scheme
 
     scheme = Int4Scheme.parse(options)
     cache = fill_s4kv_cache(scheme, problem, block_table)
-    per_sm = {} if programs_per_sm is None else {"programs_per_sm": programs_per_sm}  # none: as our backend's
-    workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, HEAD_DIM, problem.device, **per_sm)
+    workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, HEAD_DIM, problem.device,
+                                        max_num_seqs=problem.batch)
     launch = None if code_path is None else dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
     return s4kv_decode_call(scheme, problem, cache, block_table, out, workspace, launch)
 
@@ -318,9 +313,6 @@ DECODE_METHODS = {
     **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": f"int4_{scheme}"}, code_path))
        for code_path, suffix in CODE_PATH_SUFFIX.items() for scheme in ("kivi", "saw")},
     "s4kv_saw_rotv": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": "int4_saw", "rotate_values": True}, None)),
-    **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": f"int4_{scheme}"}, None,
-                                                          programs_per_sm=per_sm))
-       for suffix, per_sm in SPLIT_TARGET_SUFFIX.items() for scheme in ("kivi", "saw")},
 }
 
 

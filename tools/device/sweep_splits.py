@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
 """Split-KV sweep of the decode attention kernel: every split count per (shape, scheme, batch, context).
 
-    python tools/device/sweep_splits.py --out DIR          # H200: about three minutes; DIR/sweep_splits.{json,md}
-    python tools/device/sweep_splits.py --choose DIR/sweep_splits.json   # the split count per batch it supports
+    python -m tools.device.sweep_splits --out DIR       # H200: about four minutes; DIR/sweep_splits.{json,md}
 
 For each attention shape (bench_kernels.SHAPES), batch and context, FA3 on bf16 and on fp8 run first (the
 reference output and the times to compare with), then each scheme's cache is filled once by our store kernel and
 read at its committed decode launch with the split workspace forced to each split count in turn (split_candidates).
 Outputs are checked finite and near FA3's (bench_kernels' sanity bound), times are medians of CUDA-graph replays.
 
-``--choose`` reads a sweep and prints, per shape and batch, the split count with the smallest worst-case slowdown
-against the fastest count over the contexts and schemes measured: the rule must depend on the batch only (CUDA
-graphs are captured per batch size), so one count serves every context.
+The split count chosen for a batch size is the one with the smallest worst-case slowdown against the fastest count
+over the contexts, schemes and shapes measured at its KV-head programs (batch x KV heads): the rule must depend on
+the batch only (CUDA graphs are captured per batch size), so one count serves every context. Printed after a
+sweep, or from a saved one with ``--choose``; ``--apply`` writes it into kernels/attention.py's DECODE_SPLITS.
+
+    python -m tools.device.sweep_splits --choose DIR/sweep_splits.json --apply
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 import traceback
 from pathlib import Path
@@ -44,27 +47,61 @@ def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
     return [s for s in fits if 4 * programs * s >= num_sms] or fits[-1:] or [1]
 
 
-def choose_splits(rows: list[dict]) -> dict[tuple[str, int], dict]:
-    """(shape, batch) -> {"splits": count, "worst": its largest time / fastest time over (scheme, context),
-    "per_case": {(scheme, context): (its time, fastest time)}}; only counts measured in every case compete."""
-    cases: dict[tuple[str, int], dict[tuple[str, int], dict[int, float]]] = {}
+def choose_splits(rows: list[dict]) -> dict[int, dict]:
+    """KV-head programs of a batch unsplit (batch x KV heads) -> {"splits": the count with the smallest worst-case
+    slowdown against the fastest count over every (shape, scheme, context) measured there, "worst": that
+    slowdown, "cases": {(shape, scheme, context): (its time, fastest time)}}. Only counts measured in every case
+    compete."""
+    groups: dict[int, dict[tuple, dict[int, float]]] = {}
     for r in rows:
         if r.get("us") is None or r["method"] not in SCHEMES:
             continue
-        cases.setdefault((r["shape"], r["batch"]), {}).setdefault((r["method"], r["context"]), {})[r["splits"]] = r["us"]
+        programs = r["batch"] * bk.SHAPES[r["shape"]][1]
+        groups.setdefault(programs, {}).setdefault((r["shape"], r["method"], r["context"]), {})[r["splits"]] = r["us"]
     chosen = {}
-    for key, per_case in cases.items():
-        common = set.intersection(*(set(t) for t in per_case.values()))
+    for programs, cases in groups.items():
+        common = set.intersection(*(set(t) for t in cases.values()))
         if not common:
             continue
 
         def worst(s):
-            return max(t[s] / min(t.values()) for t in per_case.values())
+            return max(t[s] / min(t.values()) for t in cases.values())
 
         best = min(sorted(common), key=worst)
-        chosen[key] = {"splits": best, "worst": worst(best),
-                       "per_case": {c: (t[best], min(t.values())) for c, t in per_case.items()}}
+        chosen[programs] = {"splits": best, "worst": worst(best),
+                            "cases": {c: (t[best], min(t.values())) for c, t in cases.items()}}
     return chosen
+
+
+def split_table(chosen: dict[int, dict], num_sms: int) -> tuple[tuple[float, int], ...]:
+    """DECODE_SPLITS from the chosen counts: each measured point's count holds up to the geometric mean of its
+    KV-head programs and the next point's (per SM); the last holds beyond; equal neighbours merge."""
+    points = sorted(chosen)
+    table: list[tuple[float, int]] = []
+    for here, after in zip(points, points[1:] + [None]):
+        bound = math.inf if after is None else round(math.sqrt(here * after) / num_sms, 3)
+        splits = chosen[here]["splits"]
+        if table and table[-1][1] == splits:
+            table[-1] = (bound, splits)
+        else:
+            table.append((bound, splits))
+    return tuple(table)
+
+
+def table_source(table) -> str:
+    entries = ", ".join(f"({'math.inf' if bound == math.inf else bound}, {splits})" for bound, splits in table)
+    return f"DECODE_SPLITS = ({entries})\n"
+
+
+ATTENTION_SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "attention.py"
+DECODE_SPLITS_LINE = re.compile(r"^DECODE_SPLITS = \(.*\)\n", re.MULTILINE)
+
+
+def apply_split_table(source: str, table) -> str:
+    """kernels/attention.py's text with its DECODE_SPLITS line replaced by ``table``."""
+    if len(DECODE_SPLITS_LINE.findall(source)) != 1:
+        raise ValueError("expected exactly one `DECODE_SPLITS = (...)` line in kernels/attention.py")
+    return DECODE_SPLITS_LINE.sub(lambda _: table_source(table), source)
 
 
 def render(rows: list[dict]) -> str:
@@ -119,7 +156,7 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
     problem = bk.DecodeProblem(batch, context, query, kv_pool)
     tables = {size: bk.shuffled_block_table(batch, math.ceil(context / size), generator).to(kv_pool.device)
               for size in (bk.VLLM_BLOCK_SIZE, bk.S4KV_BLOCK_SIZE)}
-    base = dict(shape=shape, batch=batch, context=context)
+    base = dict(shape=shape, batch=batch, context=context, num_sms=num_sms)
     rows, reference = [], None
     for method, fp8 in (("fa3_bf16", False), ("fa3_fp8", True)):
         out = torch.full_like(query, float("nan"))
@@ -140,11 +177,11 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
     for scheme_name in SCHEMES:
         scheme = scheme_cls.parse({"scheme": scheme_name})
         cache = bk.fill_s4kv_cache(scheme, problem, tables[bk.S4KV_BLOCK_SIZE])
-        committed = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, "cuda").num_splits(batch)
+        committed = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, "cuda",
+                                           max_num_seqs=batch).num_splits(batch)
         for splits in split_candidates(batch, num_kv_heads, num_sms):
-            workspace = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, "cuda",
-                                               target_programs=splits * batch * num_kv_heads, max_splits=splits)
-            assert workspace.num_splits(batch) == splits
+            workspace = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, "cuda", max_num_seqs=batch,
+                                               num_splits=splits)
             out = torch.full_like(query, float("nan"))
             row = dict(base, method=scheme_name, splits=splits, committed_splits=committed)
             try:
@@ -175,6 +212,7 @@ def main() -> int:
     parser.add_argument("--contexts", default=DEFAULT_CONTEXTS)
     parser.add_argument("--budget-s", type=float, default=180, help="start no new case after this many seconds")
     parser.add_argument("--choose", type=Path, metavar="SWEEP_JSON", help="print the split count per batch (no GPU)")
+    parser.add_argument("--apply", action="store_true", help="write the chosen table into DECODE_SPLITS")
     args = parser.parse_args()
     if args.choose:
         rows = json.loads(args.choose.read_text())
@@ -186,8 +224,17 @@ def main() -> int:
                      [int(c) for c in args.contexts.split(",")], args.budget_s, args.out)
         (args.out / "sweep_splits.md").write_text(render(rows))
         print(render(rows))
-    for (shape, batch), pick in sorted(choose_splits(rows).items()):
-        print(f"{shape} batch {batch}: {pick['splits']} splits, worst case {pick['worst']:.2f}x the fastest count")
+    chosen = choose_splits(rows)
+    for programs, pick in sorted(chosen.items()):
+        print(f"{programs} KV-head programs: {pick['splits']} splits, worst case {pick['worst']:.2f}x the fastest "
+              f"count over {len(pick['cases'])} cases")
+    if not chosen:
+        raise SystemExit("sweep_splits.py: no complete case in the sweep")
+    table = split_table(chosen, rows[0]["num_sms"])
+    print(table_source(table), end="")
+    if args.apply:
+        ATTENTION_SOURCE.write_text(apply_split_table(ATTENTION_SOURCE.read_text(), table))
+        print(f"written into {ATTENTION_SOURCE}")
     return 0
 
 

@@ -1,0 +1,55 @@
+"""The split-KV rule of decode attention (kernels.attention.DECODE_SPLITS) and the workspace it sizes: a function
+of the batch size only (CUDA graphs are captured per batch size), buffers sized for vLLM's max_num_seqs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from s4kv.kernels.attention import DECODE_SPLITS, SplitWorkspace, decode_splits
+
+
+def test_table_is_ordered_and_ends_unbounded():
+    bounds = [bound for bound, _ in DECODE_SPLITS]
+    assert bounds == sorted(bounds) and bounds[-1] == math.inf
+    assert all(s >= 1 and s & (s - 1) == 0 for _, s in DECODE_SPLITS), "the merge kernel tiles splits by a power of 2"
+
+
+def test_rule_reads_kv_head_programs_per_sm():
+    table = ((0.25, 64), (1.0, 8), (4.0, 2), (math.inf, 1))
+    assert decode_splits(1, 4, 132, table) == 64  # 4 / 132 per SM
+    assert decode_splits(33, 4, 132, table) == 8  # 132 / 132 = 1.0: inclusive bound
+    assert decode_splits(34, 4, 132, table) == 2
+    assert decode_splits(66, 8, 132, table) == 2  # 528 / 132 = 4.0
+    assert decode_splits(256, 8, 132, table) == 1
+    # the same batch on a device with twice the SMs spreads twice as thin: more splits
+    assert decode_splits(34, 4, 264, table) == 8
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, max_num_seqs", [(28, 4, 256), (32, 8, 1), (8, 2, 1024)])
+def test_workspace_holds_the_largest_batch_times_its_splits(num_q_heads, num_kv_heads, max_num_seqs):
+    ws = SplitWorkspace.allocate(num_q_heads, num_kv_heads, 128, "cpu", max_num_seqs=max_num_seqs, num_sms=132)
+    assert ws.max_num_seqs == max_num_seqs
+    for n in range(1, max_num_seqs + 1):
+        assert ws.num_splits(n) == decode_splits(n, num_kv_heads, 132)
+    need = max(n * decode_splits(n, num_kv_heads, 132) for n in range(1, max_num_seqs + 1)) * num_q_heads
+    assert ws.part_acc.shape == (need, 128) and ws.part_ml.shape == (need, 2)
+    assert ws.part_acc.dtype == ws.part_ml.dtype == torch.float32
+
+
+def test_workspace_refuses_a_batch_above_max_num_seqs():
+    ws = SplitWorkspace.allocate(8, 2, 128, "cpu", max_num_seqs=16)
+    with pytest.raises(ValueError, match="max_num_seqs 16"):
+        ws.num_splits(17)
+
+
+def test_fixed_split_count_for_every_batch_size():
+    ws = SplitWorkspace.allocate(8, 2, 64, "cpu", max_num_seqs=5, num_splits=16)
+    assert {ws.num_splits(n) for n in range(1, 6)} == {16}
+    assert ws.part_acc.shape == (5 * 16 * 8, 64)
+    with pytest.raises(ValueError, match="power of two"):
+        SplitWorkspace.allocate(8, 2, 64, "cpu", num_splits=12)
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
+        SplitWorkspace.allocate(8, 2, 64, "cpu", max_num_seqs=0)
