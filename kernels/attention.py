@@ -346,15 +346,19 @@ def _merge_splits_kernel(
                  out.to(out_ptr.dtype.element_ty))
 
 
-# Split-KV decode: how many splits a batch gets, by the KV-head programs per SM it gives unsplit
+# Split-KV decode: how many splits a batch gets, per scheme, by the KV-head programs per SM it gives unsplit
 # (num_seqs * num_kv_heads / SMs): (up to this many per SM, splits), first match. A function of the batch size
-# only, for a model and device, so every CUDA graph (captured per batch size) keeps its grid. Measured on the
-# H200 (tools/device/sweep_splits.py; `--apply` writes this table).
-DECODE_SPLITS = ((0.25, 64), (1.0, 8), (4.0, 4), (math.inf, 1))
+# only, for a model and device, so every CUDA graph (captured per batch size) keeps its grid. int4_saw's decode
+# tile is half int4_kivi's, so it wants about twice the splits. Measured on the H200: each count is within 7% of
+# the fastest at every context of 4k-32k measured (tools/device/sweep_splits.py; `--apply` writes this table).
+DECODE_SPLITS = {
+    "int4_kivi": ((0.043, 64), (0.121, 32), (0.343, 8), (0.686, 4), (1.371, 2), (math.inf, 1)),
+    "int4_saw": ((0.043, 128), (0.121, 64), (0.343, 16), (0.686, 8), (1.371, 4), (2.743, 2), (math.inf, 1)),
+}
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, table=DECODE_SPLITS) -> int:
-    """Split count of a decode batch of ``num_seqs`` sequences (table: DECODE_SPLITS's form)."""
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, table) -> int:
+    """Split count of a decode batch of ``num_seqs`` sequences by ``table`` (a DECODE_SPLITS entry)."""
     per_sm = num_seqs * num_kv_heads / num_sms
     return next(splits for bound, splits in table if per_sm <= bound)
 
@@ -374,11 +378,16 @@ class SplitWorkspace:
     splits: tuple[int, ...]
 
     @classmethod
-    def allocate(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, device, max_num_seqs: int = 256,
-                 num_splits: int | None = None, num_sms: int | None = None) -> "SplitWorkspace":
-        """Splits by DECODE_SPLITS for the device's SMs (``num_sms``: 8 off the GPU), or ``num_splits`` (a power of
-        two) for every batch size."""
+    def allocate(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, device, scheme_name: str | None = None,
+                 max_num_seqs: int = 256, num_splits: int | None = None,
+                 num_sms: int | None = None) -> "SplitWorkspace":
+        """Splits by DECODE_SPLITS[scheme_name] for the device's SMs (``num_sms``: 8 off the GPU), or
+        ``num_splits`` (a power of two) for every batch size."""
         check_head_dim(head_dim)
+        if (num_splits is None) == (scheme_name is None):
+            raise ValueError("give the scheme whose DECODE_SPLITS rule sizes the workspace, or a fixed num_splits")
+        if scheme_name is not None and scheme_name not in DECODE_SPLITS:
+            raise ValueError(f"no split rule for {scheme_name!r}: one of {', '.join(DECODE_SPLITS)}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
@@ -386,7 +395,7 @@ class SplitWorkspace:
         device = torch.device(device)
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        splits = tuple(num_splits or (decode_splits(n, num_kv_heads, num_sms) if n else 1)
+        splits = tuple(num_splits or (decode_splits(n, num_kv_heads, num_sms, DECODE_SPLITS[scheme_name]) if n else 1)
                        for n in range(max_num_seqs + 1))
         rows = max(n * s for n, s in enumerate(splits)) * num_q_heads
         return cls(

@@ -9,12 +9,17 @@ import pytest
 import torch
 
 from s4kv.kernels.attention import DECODE_SPLITS, SplitWorkspace, decode_splits
+from s4kv.runtime.schemes import SCHEMES
 
 
-def test_table_is_ordered_and_ends_unbounded():
-    bounds = [bound for bound, _ in DECODE_SPLITS]
+@pytest.mark.parametrize("scheme_name", SCHEMES)
+def test_every_scheme_has_an_ordered_table_that_ends_unbounded(scheme_name):
+    table = DECODE_SPLITS[scheme_name]
+    bounds = [bound for bound, _ in table]
     assert bounds == sorted(bounds) and bounds[-1] == math.inf
-    assert all(s >= 1 and s & (s - 1) == 0 for _, s in DECODE_SPLITS), "the merge kernel tiles splits by a power of 2"
+    assert all(s >= 1 and s & (s - 1) == 0 for _, s in table), "the merge kernel tiles splits by a power of 2"
+    splits = [s for _, s in table]
+    assert splits == sorted(splits, reverse=True), "a larger batch never gets more splits"
 
 
 def test_rule_reads_kv_head_programs_per_sm():
@@ -28,19 +33,22 @@ def test_rule_reads_kv_head_programs_per_sm():
     assert decode_splits(34, 4, 264, table) == 8
 
 
+@pytest.mark.parametrize("scheme_name", SCHEMES)
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, max_num_seqs", [(28, 4, 256), (32, 8, 1), (8, 2, 1024)])
-def test_workspace_holds_the_largest_batch_times_its_splits(num_q_heads, num_kv_heads, max_num_seqs):
-    ws = SplitWorkspace.allocate(num_q_heads, num_kv_heads, 128, "cpu", max_num_seqs=max_num_seqs, num_sms=132)
+def test_workspace_holds_the_largest_batch_times_its_splits(scheme_name, num_q_heads, num_kv_heads, max_num_seqs):
+    ws = SplitWorkspace.allocate(num_q_heads, num_kv_heads, 128, "cpu", scheme_name, max_num_seqs=max_num_seqs,
+                                 num_sms=132)
+    table = DECODE_SPLITS[scheme_name]
     assert ws.max_num_seqs == max_num_seqs
     for n in range(1, max_num_seqs + 1):
-        assert ws.num_splits(n) == decode_splits(n, num_kv_heads, 132)
-    need = max(n * decode_splits(n, num_kv_heads, 132) for n in range(1, max_num_seqs + 1)) * num_q_heads
+        assert ws.num_splits(n) == decode_splits(n, num_kv_heads, 132, table)
+    need = max(n * decode_splits(n, num_kv_heads, 132, table) for n in range(1, max_num_seqs + 1)) * num_q_heads
     assert ws.part_acc.shape == (need, 128) and ws.part_ml.shape == (need, 2)
     assert ws.part_acc.dtype == ws.part_ml.dtype == torch.float32
 
 
 def test_workspace_refuses_a_batch_above_max_num_seqs():
-    ws = SplitWorkspace.allocate(8, 2, 128, "cpu", max_num_seqs=16)
+    ws = SplitWorkspace.allocate(8, 2, 128, "cpu", "int4_saw", max_num_seqs=16)
     with pytest.raises(ValueError, match="max_num_seqs 16"):
         ws.num_splits(17)
 
@@ -52,4 +60,10 @@ def test_fixed_split_count_for_every_batch_size():
     with pytest.raises(ValueError, match="power of two"):
         SplitWorkspace.allocate(8, 2, 64, "cpu", num_splits=12)
     with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
-        SplitWorkspace.allocate(8, 2, 64, "cpu", max_num_seqs=0)
+        SplitWorkspace.allocate(8, 2, 64, "cpu", num_splits=4, max_num_seqs=0)
+    with pytest.raises(ValueError, match="or a fixed num_splits"):
+        SplitWorkspace.allocate(8, 2, 64, "cpu")
+    with pytest.raises(ValueError, match="or a fixed num_splits"):
+        SplitWorkspace.allocate(8, 2, 64, "cpu", "int4_saw", num_splits=4)
+    with pytest.raises(ValueError, match="no split rule for 'int8'"):
+        SplitWorkspace.allocate(8, 2, 64, "cpu", "int8")

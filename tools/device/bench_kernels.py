@@ -300,7 +300,7 @@ def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, blo
     scheme = Int4Scheme.parse(options)
     cache = fill_s4kv_cache(scheme, problem, block_table)
     workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, HEAD_DIM, problem.device,
-                                        max_num_seqs=problem.batch)
+                                        scheme.name, max_num_seqs=problem.batch)
     launch = None if code_path is None else dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
     return s4kv_decode_call(scheme, problem, cache, block_table, out, workspace, launch)
 

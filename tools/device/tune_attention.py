@@ -88,7 +88,8 @@ def run_sweep(sweep: Sweep, device, time_ms=cuda_median_ms, dtype=torch.bfloat16
                 q_len = case[2] if kind == "prefill" else 1
                 cache, bt, sl, qsl, q = make_case(batch, ctx, q_len, device, dtype)
                 out = torch.empty_like(q)
-                ws = SplitWorkspace.allocate(HQ, HKV, 128, device, max_num_seqs=batch, num_splits=num_splits) \
+                ws = SplitWorkspace.allocate(HQ, HKV, 128, device, None if num_splits else scheme_name,
+                                             max_num_seqs=batch, num_splits=num_splits) \
                     if kind == "decode" else None
                 expected = None  # the first config's output (the default code path): every other must match it
                 for codes, cfg in grid:
