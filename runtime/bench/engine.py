@@ -115,7 +115,7 @@ def run_workload(llm, workload: Workload, vocab_size: int, replica: dict[str, An
 def warm_up(llm, vocab_size: int, max_model_len: int) -> None:
     """Compile every kernel variant a workload meets (prefill, chunked prefill, decode) before timing. The longest
     prompt fills the context, so it is prefilled in several steps (a chunk over a cached prefix, beside decodes):
-    the first session's long run met a Triton compilation inside its timed part without it."""
+    without it, a long run met a Triton compilation inside its timed part (measured on the H200)."""
     import numpy as np
     from vllm import SamplingParams
 

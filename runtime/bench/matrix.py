@@ -148,7 +148,7 @@ WORKLOADS: dict[str, Workload] = {
 
 
 # Not part of 'all' (the standard matrix): lighter workloads for several GPUs, where a 70B engine's start leaves
-# little of a 10-minute GPU session for the workload.
+# little of a 10-minute GPU job for the workload.
 EXTRA_WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (

@@ -81,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model or bundled_model_dir(QWEN2)
     if not os.path.isfile(os.path.join(model, "config.json")):
-        print(f"s4kv demo: no model at {model}; build it with: python tools/reference_models/make_tiny_model.py",
-              file=sys.stderr)
+        print(f"s4kv demo: no model at {model}: --model takes a folder holding a config.json", file=sys.stderr)
         return 2
     on_gpu = torch.cuda.is_available()
     base_url = f"http://127.0.0.1:{args.port}"

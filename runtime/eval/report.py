@@ -74,8 +74,8 @@ TARGET_PAIRS = [(scheme, TARGET_REFERENCE) for scheme in TARGET_SCHEMES] + [("s4
 
 def paired_ratios(ours: dict, theirs: dict) -> dict[str, tuple[float, float, float]]:
     """Our mean KL and perplexity over theirs on the same windows, each as (ratio, 95% low, 95% high) from a paired
-    bootstrap over the windows; only the metrics whose per-window values the run kept (KL: since the sixth session,
-    perplexity: since the real-model runs)."""
+    bootstrap over the windows; only the metrics whose per-window values the run kept (result files written before
+    per-window values were kept have none)."""
     ratios = {}
     if len(ours.get("window_kl", [])) > 1 and len(ours["window_kl"]) == len(theirs.get("window_kl", [])) \
             and theirs["mean_kl"]:
@@ -121,7 +121,7 @@ def target_check(result: dict) -> list[str]:
 
 
 def render_target_check(result: dict) -> str:
-    """target_check as a Markdown list (it goes under the tables in docs/quality.md)."""
+    """target_check as a Markdown list (it goes under the tables in docs/results/quality.md)."""
     return "\n".join(f"- {line}" for line in target_check(result))
 
 
@@ -151,7 +151,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m s4kv.runtime.eval.report RESULT.json...``: the tables for docs/quality.md, with their commands."""
+    """``python -m s4kv.runtime.eval.report RESULT.json...``: the tables for docs/results/quality.md, with their
+    commands."""
     import json
 
     for path in argv:

@@ -1,4 +1,4 @@
-"""`s4kv bench` on several GPUs (issue 6), without a GPU: the --tensor-parallel-size / --data-parallel-size options,
+"""`s4kv bench` on several GPUs, without a GPU: the --tensor-parallel-size / --data-parallel-size options,
 the engine arguments and replica environments they give, time budgets scaled to a 70B at TP 2, data-parallel
 replicas with a stand-in engine (split requests, barrier, summed throughput, a failing replica ends the other),
 the table rows of several layouts and models, and tools/device/parallel.sh's dry run."""
@@ -91,7 +91,7 @@ def test_in_order_keeps_the_given_order_and_all_stays_issue_4():
     assert plan[0][1].key == "gmu0.90-seqs128-tp2"
     table_order = bench.build_plan(bench_args(Path("x"), configs="s4kv_kivi,bf16_fa3"))
     assert [fmt for fmt, _, _ in table_order][:2] == ["bf16_fa3", "s4kv_kivi"]
-    # short128 is picked by name only: 'all' is still issue 4's matrix
+    # short128 is picked by name only: 'all' is still the standard matrix
     everything = bench.build_plan(bench_args(Path("x"), configs="bf16_fa3"))
     assert sorted(n for _, _, names in everything for n in names) == sorted(WORKLOADS)
     assert set(ALL_WORKLOADS) == set(WORKLOADS) | set(EXTRA_WORKLOADS)
@@ -316,7 +316,7 @@ def test_table_keeps_layouts_and_models_apart():
     assert rows["short:qwen2.5-7b-instruct"].cells["s4kv_kivi"].note == "not run"  # not mixed with the DP row
     text = bench_report.render_markdown(list(rows.values()))
     assert "short128: 128 x 1024 in / 128 out, max_num_seqs 128 (output tok/s), TP 2" in text
-    # one model, one GPU: the plain keys and titles of issue 4
+    # one model, one GPU: the plain keys and titles of the single-GPU table
     single = {"meta": {}, "runs": doc["runs"][4:]}
     assert [row.key for row in bench_report.build_table(single)] == ["kv:gmu0.90-seqs256", "short"]
 

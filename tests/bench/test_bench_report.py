@@ -9,7 +9,7 @@ from s4kv.runtime.bench import report as bench_report
 from s4kv.runtime.bench.engine import RESULT_PREFIX
 from s4kv.runtime.bench.matrix import FULL_CARD, WORKLOADS
 
-# issue 4's measured baseline (H200, vLLM 0.26.0): capacity, short tok/s, long wall s
+# the first measured baseline (H200, vLLM 0.26.0): capacity, short tok/s, long wall s
 ISSUE_NUMBERS = {
     "bf16_fa3": (2_043_840, 7378.0, 16.2),
     "fp8_fa3": (4_087_680, 7636.0, 15.3),

@@ -49,7 +49,7 @@ def test_parse_names_keeps_table_order_and_rejects_unknown():
 
 
 def test_all_means_the_issue_formats_and_an_option_runs_when_named(tmp_path):
-    """`--configs all` (the default) runs the five formats of issues 4 and 5; int4_saw's rotate_values option is a
+    """`--configs all` (the default) runs the five standard formats; int4_saw's rotate_values option is a
     format of its own, run only when named, with its option in the engine's additional_config."""
     plan = bench.build_plan(bench_args(tmp_path, workloads="short"))
     assert [fmt for fmt, _, _ in plan] == ["bf16_fa3", "fp8_fa3", "vllm_int4", "s4kv_kivi", "s4kv_saw"]
@@ -107,7 +107,7 @@ def test_merge_of_two_calls(tmp_path, stand_in):
 def test_budget_skips_engines_instead_of_starting_them(tmp_path, stand_in):
     stand_in(FAKE_ENGINE, "fake_engine")
     out = tmp_path / "out"
-    # s4kv_saw, not measured in issue 4, is budgeted at the slowest format's speed: more than bf16 + FA3
+    # s4kv_saw, without a measured speed in the table, is budgeted at the slowest format's speed: more than bf16 + FA3
     assert expected_engine_s("s4kv_saw", ["short"]) > expected_engine_s("bf16_fa3", ["short"])
     budget = expected_engine_s("bf16_fa3", ["short"]) - 1
     assert bench.run(bench_args(out, configs="bf16_fa3", workloads="short", budget_s=budget)) == 0

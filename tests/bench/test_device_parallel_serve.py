@@ -75,7 +75,8 @@ def test_a_failed_check_fails_the_step_and_names_it(tmp_path):
 
 
 def test_serve_is_skipped_when_too_little_time_is_left(tmp_path):
-    """The fifth session's call started both servers with --timeout-s -9 (51 s left) and recorded two failures."""
+    """A job that reached `serve` with 51 s left once started both servers with --timeout-s -9 and recorded two
+    failures."""
     done, out = run_serve(tmp_path, fail_dp=False, limit_s=150)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "serve skipped" in done.stdout and "[serve] tp2" not in done.stdout  # no server was started

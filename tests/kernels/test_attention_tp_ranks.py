@@ -1,4 +1,4 @@
-"""The attention kernel at the head counts one tensor-parallel rank of Llama-3.1-70B sees (issue 6).
+"""The attention kernel at the head counts one tensor-parallel rank of Llama-3.1-70B sees (docs/parallel.md).
 
 At TP 2 a rank holds 32 query and 4 KV heads, at TP 8 8 and 1: GQA groups of 8, which test_attention_kernel.py
 (groups 1, 4, 7) does not cover. The split-KV workspace is allocated as the backend allocates it, from the rank's

@@ -1,9 +1,9 @@
 """The decode loop's compiled shape for sm_90, checked on a machine with no GPU (tools/device/sass_stats.py).
 
-Not a speed test: these are the structural properties docs/performance.md ("Static instruction counts") builds its
-prediction on, guarded so that a later change cannot silently undo them. V's tensor-core fragments come from
-vector loads (channel-major V, no byte gathers); the PTX unpack needs far fewer integer instructions than the
-Triton-op unpack and changes nothing else in the loop.
+Not a speed test: these are the structural properties that docs/archive/2026-11-30-performance.md ("Static
+instruction counts") builds its prediction on, guarded so that a later change cannot silently undo them. V's
+tensor-core fragments come from vector loads (channel-major V, no byte gathers); the PTX unpack needs far fewer
+integer instructions than the Triton-op unpack and changes nothing else in the loop.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ close per channel) and the rest forced decode steps; ``decode``, every scored po
 
 Why the torch engine: vLLM's CPU engine refuses fp8 and int4_per_token_head KV caches on a CPU without AVX-512 or
 AMX (NotImplementedError at start-up, reported by `s4kv eval` as "not run"), so the five-format comparison runs
-every format through its torch reference (runtime/eval/torch_engine.py), as docs/quality.md says; on a GPU the same
-command with ``--engine vllm`` measures the real kernels. The sizes keep both conditions inside CI's budget on two
-cores (about 5 minutes of CPU) while the paired intervals over 8 windows still separate the formats.
+every format through its torch reference (runtime/eval/torch_engine.py), as docs/results/quality.md says; on a GPU
+the same command with ``--engine vllm`` measures the real kernels. The sizes keep both conditions inside CI's budget
+on two cores (about 5 minutes of CPU) while the paired intervals over 8 windows still separate the formats.
 
 A relation is read off the interval of a ratio (ours / theirs, KL or perplexity): ``better`` when it lies below 1,
 ``worse`` above 1, ``level`` when it holds 1.
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 CONDITIONS = {"served": "0.5", "decode": "0"}
 FORMATS = "bf16_fa3,fp8_fa3,vllm_int4,s4kv_kivi,s4kv_saw"
-# what docs/quality.md's real-model tables ran (the command it prints), less s4kv_saw_rotv
+# what docs/results/quality.md's real-model tables ran (the command it prints), less s4kv_saw_rotv
 SIZES = ["--short-windows", "8", "--short-len", "256", "--short-prompts", "4", "--short-prompt-len", "32",
          "--short-generate", "16", "--long-windows", "0"]
 
@@ -41,7 +41,7 @@ TARGETS = {
     ("s4kv_saw", "vllm_int4", "mean_kl"): {"better", "level"},
     ("s4kv_saw", "vllm_int4", "perplexity_delta_pct"): {"better", "level"},
 }
-# Where the code as it is misses a target: the relation measured instead (docs/quality.md, "Real model").
+# Where the code as it is misses a target: the relation measured instead (docs/results/quality.md, SmolLM2).
 MEASURED_MISSES: dict[tuple[str, str, str, str], str] = {
     # generated tokens after a served prompt: int4_kivi's per-channel prompt block does not carry it past vLLM's
     # int4 or int4_saw on this model at these sizes
@@ -77,7 +77,7 @@ def test_target_against_the_paired_interval(condition_result, target):
     condition, result = condition_result
     key = (condition, *target)
     if key in NOT_MEASURED:
-        pytest.skip(f"{key}: not measured yet on this model; docs/quality.md says so")
+        pytest.skip(f"{key}: not measured yet on this model; docs/results/quality.md says so")
     formats = result["formats"]
     assert list(formats) == FORMATS.split(",") and result["regimes"]["short"]["windows"] == 8
     ours, theirs, metric = target
@@ -97,8 +97,8 @@ def test_decode_filled_kivi_blocks_are_int4_saw_blocks(condition_result):
 
 
 def test_fp8_kl_stays_far_below_every_int4_format(condition_result):
-    """The gap to fp8 that docs/quality.md reports: fp8's KL interval against each int4 format's lies below 1 (its
-    perplexity ratio is reported, not asserted: against vLLM's int4 its interval ends within 1% of 1)."""
+    """The gap to fp8 that docs/results/quality.md reports: fp8's KL interval against each int4 format's lies below 1
+    (its perplexity ratio is reported, not asserted: against vLLM's int4 its interval ends within 1% of 1)."""
     _, result = condition_result
     fp8 = result["formats"]["fp8_fa3"]["short"]
     for name in ("vllm_int4", "s4kv_kivi", "s4kv_saw"):

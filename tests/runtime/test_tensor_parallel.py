@@ -1,4 +1,4 @@
-"""S4 KV under tensor parallelism, decided without a GPU (issue 6).
+"""S4 KV under tensor parallelism, decided without a GPU (docs/parallel.md).
 
 vLLM shards attention by heads: at tensor parallel size tp each rank holds num_heads / tp query heads and
 max(1, num_kv_heads / tp) KV heads, and builds its attention layers, KV-cache spec and metadata builder from those

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmarks of issues 2 and 4 on the lent H200, with vLLM 0.26.0 from the offline bundle.
+# The kernel, prefill, end-to-end and serving benchmarks on the lent H200, with vLLM 0.26.0 from the offline bundle.
 #
 # Once, here (the bundle, about 52 MB, git-ignored):
 #   echo /.vlb/ >> .git/info/exclude
@@ -11,7 +11,7 @@
 #   bash tools/device/bench.sh kernels e2e --configs bf16_fa3,s4kv_saw --workloads short,long   # both in one call
 #   KERNEL_ARGS="--methods fa3_bf16,s4kv_kivi,s4kv_saw" bash tools/device/bench.sh kernels prefill
 #   bash tools/device/bench.sh serve --kv-cache-memory-bytes 6442450944 --rates 4,8,12 --concurrency 16,48
-# (docs/performance.md has the split of every configuration into 10-minute calls). Anything after `e2e` goes
+# (docs/performance.md: engine starts and why the full matrix needs several 10-minute calls). Anything after `e2e` goes
 # to `s4kv bench`, anything after `serve` to `s4kv bench --serve` (one of the two per call); KERNEL_ARGS go to
 # tools/device/bench_kernels.py; `prefill` runs tools/device/bench_prefill.py (short cases and 32k-128k chunked prompts).
 # Everything shares LIMIT_S (default 570) from this script's start: the kernel benchmark
@@ -19,7 +19,7 @@
 # what is left. Back in $OUT: tune_attention.json, tune.log; kernels.json, kernels.md, kernels.log;
 # bench_prefill.json, bench_prefill_chunked.json, prefill.log; results.json, table.md, plot.svg and e2e-logs.tar.gz
 # (every engine's log); serve.json, serve.md, serve.svg and serve-logs.tar.gz. Merge the results.json of several calls here with
-#   s4kv bench --merge call1/results.json call2/results.json --out docs/bench
+#   s4kv bench --merge job1/results.json job2/results.json --out docs/results/bench
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?OUT must be set (the device call sets it)}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Kernel benchmark (issue 2; the kernel-level evidence for issue 4), one H200 call, well under 6 minutes.
+"""Kernel benchmark (the kernel-level evidence behind `s4kv bench`), one H200 call, well under 6 minutes.
 
 Decode attention (one query token per sequence) with the attention shapes of Qwen2.5-7B (28 query heads, 4 KV
 heads: GQA 7) and Llama-3.1-8B (32 / 8: GQA 4), head_dim 128, bf16 queries, at contexts 1k/4k/16k/32k and

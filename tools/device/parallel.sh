@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6 on a machine of N >= 2 GPUs (kind nvidia-h200-x2 today; -x4 / -x8 when lent), vLLM 0.26.0 from the offline
+# Tensor and data parallel benchmarks and servers on a machine of N >= 2 GPUs (kind nvidia-h200-x2 today; -x4 / -x8 when lent), vLLM 0.26.0 from the offline
 # bundle, in one device call. N is every GPU the machine has (nvidia-smi -L; DRY_RUN uses GPUS, default 2):
 #   tp  Llama-3.1-70B-Instruct shape (configs/llama-3.1-70b-instruct.json, dummy weights, 141 GB split over N GPUs),
 #       tensor parallel N, workload short128 (128 x 1024 in / 128 out), one engine over all GPUs

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of the vLLM plugin (issue 3): installs the offline vLLM 0.26.0 bundle once per machine (from .vlb/, see
+# GPU run of the vLLM plugin: installs the offline vLLM 0.26.0 bundle once per machine (from .vlb/, see
 # shared/devicekit/README.md), makes this checkout importable as s4kv with its vllm.general_plugins entry point
 # (no pip: the GPU machine is offline), then runs tools/device/plugin_e2e.py. Results: $OUT/device_plugin_e2e.json
 # and every phase's log in $OUT/device_plugin_e2e_logs.tar.gz. Whole run < 9.5 minutes (the Python part stops itself after BUDGET_S seconds).

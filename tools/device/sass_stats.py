@@ -1,7 +1,7 @@
 """Static instruction counts of the decode attention kernel's inner loop on Hopper (sm_90), with no GPU.
 
 The decode kernel is bound by the instructions that turn 4-bit codes into MMA operands, not by memory (~1 TB/s
-of 4.3, docs/performance.md), so the number of SASS instructions per KV tile is the quantity to count first.
+of 4.3, docs/results/performance.md), so the number of SASS instructions per KV tile is the quantity to count first.
 Triton compiles for sm_90 on any machine (ptxas and nvdisasm ship in the triton wheel); this compiles
 ``_paged_attention_kernel`` as ``paged_attention`` launches it for decode (specialized like a real launch: 16-byte
 aligned cache/query pointers and strides, metadata pointers unspecialized), disassembles it and prints, per

@@ -7,8 +7,8 @@ Every tile x warps x stages config runs with every code path of attention.CODE_P
 pages in shuffled order. Each config's output is checked against the first (default) config's, so that a fast
 wrong kernel cannot win; results are saved after every shape, so a call cut short keeps what it measured. The
 winners (lowest geometric-mean time over a scheme's shapes) are printed; `--apply` writes the decode winners
-into DECODE_LAUNCH in kernels/attention.py (PREFILL_LAUNCH, one for both schemes, is set by hand). The tuning
-log in docs/performance.md keeps what was measured.
+into DECODE_LAUNCH in kernels/attention.py (PREFILL_LAUNCH, one for both schemes, is set by hand). What was
+measured: docs/performance.md (levers) and docs/archive/2026-11-30-performance.md (the tuning log).
 """
 
 from __future__ import annotations
