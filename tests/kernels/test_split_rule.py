@@ -7,8 +7,11 @@ import math
 
 import pytest
 import torch
+from kv_batches import cache_with_prefix, make_paged_batch, relative_error
 
-from s4kv.kernels.attention import DECODE_SPLITS, SplitWorkspace, decode_splits
+from s4kv.kernels import reference as ref
+from s4kv.kernels.attention import DECODE_SPLITS, SplitWorkspace, decode_splits, paged_attention
+from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import SCHEMES
 
 
@@ -67,3 +70,34 @@ def test_fixed_split_count_for_every_batch_size():
         SplitWorkspace.allocate(8, 2, 64, "cpu", "int4_saw", num_splits=4)
     with pytest.raises(ValueError, match="no split rule for 'int8'"):
         SplitWorkspace.allocate(8, 2, 64, "cpu", "int8")
+
+
+# The counts the H200 table picks, run by the kernel under the interpreter: the largest (batch 1) and one from a
+# batch of eight, with the workspace poisoned, against the torch reference.
+RULE_CASES = {1: [(1000, 1)], 8: [(0, 1), (126, 1), (127, 1), (300, 1), (5, 1), (383, 1), (900, 1), (64, 1)]}
+
+
+@pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+@pytest.mark.parametrize("num_seqs", sorted(RULE_CASES))
+@pytest.mark.parametrize("scheme_name", SCHEMES)
+def test_kernel_matches_the_reference_at_the_counts_the_h200_table_picks(gen, kernel_device, scheme_name, num_seqs):
+    scheme = Int4Scheme(scheme_name)
+    num_q_heads, num_kv_heads = 7, 1  # GQA 7 with one KV head: the fewest programs the rule splits most
+    ws = SplitWorkspace.allocate(num_q_heads, num_kv_heads, 128, kernel_device, scheme_name, max_num_seqs=num_seqs,
+                                 num_sms=132)
+    splits = ws.num_splits(num_seqs)
+    assert splits == decode_splits(num_seqs, num_kv_heads, 132, DECODE_SPLITS[scheme_name]) >= 32
+    ws.part_acc.fill_(float("nan"))
+    ws.part_ml.fill_(float("nan"))
+    batch = make_paged_batch(gen, RULE_CASES[num_seqs], num_q_heads, num_kv_heads, block_size=128,
+                             dtype=torch.float16, device=kernel_device, head_dim=128)
+    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 1, 128**-0.5,
+                    scheme, out, workspace=ws)
+    expected = ref.paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                                   128**-0.5, scheme)
+    assert not torch.isnan(out).any(), f"{scheme_name}, {splits} splits: unwritten output"
+    assert relative_error(out, expected) < 1e-2, f"{scheme_name}, {splits} splits"
