@@ -4,8 +4,9 @@ Every layer's post-RoPE keys and values pass through a transform (torch_kv.py) t
 format's KV cache would and hands attention what that cache gives back:
 
 * ``s4kv_kivi`` / ``s4kv_saw``: the S4 KV torch reference (``s4kv.kernels.reference``): each sequence and layer
-  owns a paged int4 cache; new tokens are written with ``store_kv`` (so KIVI blocks close exactly as in vLLM:
-  per channel when one write holds the whole block, else staged) and attention reads ``dequantize_sequence``;
+  owns a paged int4 cache; new tokens are written with ``store_kv`` (int4_kivi through a staging pool with one slot
+  per sequence, as in vLLM: every closed block per channel from its original keys) and attention reads
+  ``dequantize_sequence``;
 * ``bf16_fa3``: K/V rounded to bf16 (what a bf16 cache holds); the reference of the comparison;
 * ``fp8_fa3``: K/V cast to fp8 e4m3 with scale 1 (saturating), as vLLM's fp8 cache without checkpoint scales;
 * ``vllm_int4``: an emulation of vLLM's int4_per_token_head: a head-wide Hadamard with fixed random signs, then
@@ -25,6 +26,7 @@ from s4kv.kernels import reference as ref
 from s4kv.kernels.hadamard import block_hadamard
 from s4kv.kernels.layout import check_head_dim, cache_shape
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.staging import allocate_pool
 from s4kv.runtime.schemes import KIVI, SAW
 
 from .data import RegimeInputs
@@ -40,15 +42,16 @@ class PagedInt4Cache:
     arrival order, every sequence of the batch in the same ``store_kv`` call, as vLLM stores one engine step.
 
     With ``prefill_tokens`` set, the first ``prefill_tokens`` tokens of the sequences go to ``store_kv`` in one call
-    (their prompts' prefill) and every later position in a call of its own (decode steps: an int4_kivi block they
-    fill closes staged). None: all new tokens of a forward in one call. Sequence b owns blocks
-    ``b * blocks_per_sequence`` onward, so a block only ever holds one sequence's tokens."""
+    (their prompts' prefill) and every later position in a call of its own (decode steps). None: all new tokens of
+    a forward in one call. Sequence b owns blocks ``b * blocks_per_sequence`` onward, so a block only ever holds one
+    sequence's tokens, and, for int4_kivi, slot b of the layer's staging pool (kernels/staging.py)."""
 
     def __init__(self, scheme: Int4Scheme, prefill_tokens: int | None = None):
         self.scheme = scheme
         self.prefill_tokens = prefill_tokens
         self.caches: dict[int, torch.Tensor] = {}  # layer -> [batch * blocks_per_sequence, kv_heads, page bytes]
         self.lengths: dict[int, int] = {}  # layer -> tokens stored per sequence
+        self.pools: dict[int, torch.Tensor] = {}  # layer -> int4_kivi staging pool [batch, kv_heads, 128, head_dim]
 
     def _cache_for(self, layer_idx: int, batch: int, num_kv_heads: int, head_dim: int, length: int,
                    device) -> torch.Tensor:
@@ -73,11 +76,19 @@ class PagedInt4Cache:
         # only tokens the cache has not seen yet, as in a paged cache
         bounds = [stored, length] if self.prefill_tokens is None else \
             sorted({stored, length, *range(max(stored, self.prefill_tokens), length)})
+        staging = {}
+        if self.scheme.is_kivi:
+            if layer_idx not in self.pools:
+                self.pools[layer_idx] = allocate_pool(batch, num_kv_heads, BLOCK_SIZE, head_dim, torch.float32,
+                                                      key.device)
+            staging["staged_keys"] = self.pools[layer_idx]
         for start, stop in zip(bounds, bounds[1:]):
             slots = first_slot + torch.arange(start, stop, device=key.device)  # [batch, tokens]
+            if self.scheme.is_kivi:  # every token of sequence b stages into slot b
+                staging["staging_slots"] = torch.arange(batch, device=key.device).repeat_interleave(stop - start)
             ref.store_kv(key[:, :, start:stop].transpose(1, 2).reshape(-1, num_kv_heads, head_dim).float(),
                          value[:, :, start:stop].transpose(1, 2).reshape(-1, num_kv_heads, head_dim).float(),
-                         cache, slots.reshape(-1), self.scheme)
+                         cache, slots.reshape(-1), self.scheme, **staging)
         self.lengths[layer_idx] = max(stored, length)
         keys, values = [], []
         for b in range(batch):

@@ -12,7 +12,8 @@ which class runs is decided when vLLM resolves a path inside a worker, where the
   is missing, so vLLM would silently run its own int4 format) or, on the CPU platform, which ignores
   ``--attention-backend`` and always asks for CPU_ATTN, returns our CPU backend (torch reference kernels).
 
-No vLLM function is patched. Importing this module is cheap: vLLM is imported only inside the functions.
+Registration patches no vLLM function (int4_kivi's layers wrap one runner method when built: staging.py). Importing
+this module is cheap: vLLM is imported only inside the functions.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ directly (memory-bound: 3.8x fewer bytes than bf16). Prefill chunks are compute-
 (int4 prefix dequantized + the chunk's fresh K/V) are gathered into a dense buffer and run through vLLM's own
 FlashAttention (FA3 on Hopper, FA2 elsewhere); the batch is reordered decodes-first to split it. The CPU path
 (cpu_backend.py) reuses the backend, metadata and builder defined here and swaps the kernels for the torch reference.
+int4_kivi layers also own a staging pool (the open blocks' original keys); the builder assigns its slots per step
+(staging.py) and the store closes every block per channel from them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -28,12 +31,15 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from s4kv.kernels.layout import cache_shape
+from s4kv.kernels.layout import bytes_per_token, cache_shape
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
 
 from .config import BLOCK_SIZE, S4KVConfigError, check_vllm_config
+from .staging import StagingBuffers, install_step_hook
+
+logger = init_logger("vllm.s4kv")
 
 
 class S4KVAttentionBackend(AttentionBackend):
@@ -110,6 +116,10 @@ class S4KVMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
     workspace: Any = None  # kernels.attention.SplitWorkspace on CUDA
     prefill: "PrefillPlan | None" = None  # set when prefill sequences go through FlashAttention
+    # int4_kivi (staging.py): the staging-pool slot of each token's open block (what the store closes from and
+    # stages into), and of each sequence's open block after the step (-1 where its last block is closed)
+    staging_slots: torch.Tensor | None = None  # [num_tokens] int32
+    sequence_slots: torch.Tensor | None = None  # [num_seqs] int32
 
 
 @dataclass
@@ -147,6 +157,16 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         # Batches of decodes alone (vLLM captures them in full CUDA graphs, drafts included) are never planned.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         self.workspace = self._allocate_workspace()
+        self.staging = self._allocate_staging()
+
+    def _allocate_staging(self) -> StagingBuffers | None:
+        # int4_kivi: one staging slot per running sequence (a sequence has at most one open block)
+        config = check_vllm_config(self.vllm_config)
+        if config is None or not config.scheme.is_kivi:
+            return None
+        scheduler = self.vllm_config.scheduler_config
+        return StagingBuffers(scheduler.max_num_seqs, self.kv_cache_spec.block_size,
+                              scheduler.max_num_batched_tokens, self.device)
 
     def _allocate_workspace(self) -> Any:
         # Split-KV decode buffers, once per builder, before any CUDA-graph capture; no decode batch holds more
@@ -167,6 +187,12 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> S4KVMetadata:
         m = common_attn_metadata
+        staging_slots = sequence_slots = None
+        if self.staging is not None:
+            # exact host lengths: int4_kivi runs without speculative decoding (config.py), so the upper bound is exact
+            seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens_cpu
+            staging_slots, sequence_slots = self.staging.build(m.slot_mapping.shape[0], m.num_reqs,
+                                                               m.query_start_loc_cpu, seq_lens)
         return S4KVMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -177,6 +203,8 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
             slot_mapping=m.slot_mapping,
             workspace=self.workspace,
             prefill=self._plan_prefill(m) if m.max_query_len > self.reorder_batch_threshold else None,
+            staging_slots=staging_slots,
+            sequence_slots=sequence_slots,
         )
 
     def _plan_prefill(self, m: CommonAttentionMetadata) -> PrefillPlan | None:
@@ -221,6 +249,16 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         return metadata
 
 
+def layer_metadata(layer: Any) -> "S4KVMetadata | None":
+    """The current step's metadata of an attention layer (None in a profiling run)."""
+    from vllm.forward_context import get_forward_context
+
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):  # [0] is the target model's, as vLLM's get_attention_context reads it
+        metadata = metadata[0]
+    return metadata.get(layer.layer_name) if isinstance(metadata, dict) else metadata
+
+
 class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
     """Decoder self-attention over the int4 cache; rejects every feature the kernels do not implement."""
 
@@ -254,7 +292,26 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.staged_keys = self._allocate_staging_pool(get_current_vllm_config()) if self.scheme.is_kivi else None
         self._load_kernels()
+
+    def _allocate_staging_pool(self, vllm_config: VllmConfig) -> torch.Tensor:
+        """int4_kivi's staging pool of this layer (kernels/staging.py), allocated with the model, before vLLM
+        profiles memory, so the KV capacity it reports leaves room for it."""
+        from s4kv.kernels.staging import allocate_pool, pool_bytes
+
+        install_step_hook()
+        num_slots = vllm_config.scheduler_config.max_num_seqs
+        dtype = vllm_config.model_config.dtype
+        pool = allocate_pool(num_slots, self.num_kv_heads, BLOCK_SIZE, self.head_size, dtype,
+                             vllm_config.device_config.device)
+        size = pool_bytes(num_slots, self.num_kv_heads, BLOCK_SIZE, self.head_size, dtype.itemsize)
+        token_bytes = self.num_kv_heads * bytes_per_token(self.head_size)
+        logger.info_once(
+            "S4 KV int4_kivi staging pool: %d slots (max_num_seqs) x %d KV heads x %d x %d %s = %.1f MiB per "
+            "attention layer, the room of %d int4 tokens of KV cache per layer", num_slots, self.num_kv_heads,
+            BLOCK_SIZE, self.head_size, str(dtype).removeprefix("torch."), size / 2**20, size // token_bytes)
+        return pool
 
     def _load_kernels(self) -> None:
         from s4kv.kernels.attention import paged_attention
@@ -267,7 +324,14 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
                            slot_mapping: torch.Tensor) -> None:
         # key/value may carry CUDA-graph padding rows past the slot mapping; only mapped rows are stored.
         num_tokens = slot_mapping.shape[0]
-        self._store_kv(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping, self.scheme)
+        if self.staged_keys is None:
+            self._store_kv(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping, self.scheme)
+            return
+        metadata = layer_metadata(layer)
+        if metadata is None:  # a profiling run: every slot is -1, nothing is stored
+            return
+        self._store_kv(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping, self.scheme, self.staged_keys,
+                       metadata.staging_slots)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: S4KVMetadata | None, output: torch.Tensor,

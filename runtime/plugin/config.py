@@ -211,6 +211,8 @@ class EngineFacts:
     kv_connector: bool = False
     context_parallel: bool = False
     kv_cache_dtype_skip_layers: tuple[str, ...] = field(default_factory=tuple)
+    v2_model_runner: bool = False
+    dual_batch_overlap: bool = False
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "EngineFacts":
@@ -229,6 +231,8 @@ class EngineFacts:
             kv_connector=transfer is not None and bool(transfer.is_kv_transfer_instance),
             context_parallel=parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1,
             kv_cache_dtype_skip_layers=tuple(cache.kv_cache_dtype_skip_layers or ()),
+            v2_model_runner=bool(vllm_config.use_v2_model_runner),
+            dual_batch_overlap=bool(parallel.enable_dbo),
         )
 
 
@@ -255,6 +259,15 @@ def engine_rejections(config: S4KVConfig, engine: EngineFacts) -> list[str]:
         reasons.append(
             "int4_kivi cannot run with speculative decoding: rejected draft tokens would rewrite keys of a block "
             "that was already quantized per channel."
+        )
+    if engine.v2_model_runner and config.scheme.is_kivi:
+        reasons.append(
+            "int4_kivi's staging slots follow vLLM's V1 model runner, and vLLM picked its V2 runner for this model: "
+            "set VLLM_USE_V2_MODEL_RUNNER=0."
+        )
+    if engine.dual_batch_overlap and config.scheme.is_kivi:
+        reasons.append(
+            "int4_kivi cannot run with dual batch overlap: its micro-batches would assign staging slots apart."
         )
     if engine.kv_connector:
         reasons.append(

@@ -16,7 +16,7 @@ from s4kv.runtime.bundled_models import NGRAM_DRAFTS
 pytest.importorskip("vllm")
 
 
-def make_builder(model_dir, speculative: dict | None):
+def make_builder(model_dir, speculative: dict | None, scheme: str = "int4_saw"):
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
@@ -25,7 +25,7 @@ def make_builder(model_dir, speculative: dict | None):
 
     config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy", max_model_len=4096,
                         kv_cache_dtype="int4_per_token_head", attention_backend="CUSTOM",
-                        additional_config={"s4kv": {"scheme": "int4_saw"}},
+                        additional_config={"s4kv": {"scheme": scheme}},
                         speculative_config=speculative).create_engine_config()
     spec = FullAttentionSpec(block_size=128, num_kv_heads=4, head_size=128, dtype=torch.uint8,
                              kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD)

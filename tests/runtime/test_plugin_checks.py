@@ -152,6 +152,8 @@ def test_options_round_trip():
         (EngineFacts(block_size=16), ["needs --block-size 128", "got 16"], True),
         (EngineFacts(speculative_decoding=True), ["int4_kivi cannot run with speculative decoding"], False),
         (EngineFacts(kv_connector=True), ["cannot run with a KV connector"], True),
+        (EngineFacts(v2_model_runner=True), ["V1 model runner", "VLLM_USE_V2_MODEL_RUNNER=0"], False),
+        (EngineFacts(dual_batch_overlap=True), ["int4_kivi cannot run with dual batch overlap"], False),
         (EngineFacts(context_parallel=True), ["context parallelism"], True),
         (EngineFacts(kv_cache_dtype_skip_layers=("0", "27")), ["--kv-cache-dtype-skip-layers 0,27"], True),
     ],

@@ -1,0 +1,101 @@
+"""Greedy outputs of one model through the real vLLM engine (CPU platform) under several loads, per KV format; prints
+one JSON line. Used by test_load_invariance.py in a subprocess of its own; by hand:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/runtime/invariance_job.py models/s4kv-ref-qwen2 bf16 int4_kivi``.
+
+Prompts are held-out text cut into token-id prompts that share a 256-token prefix (two full pages) and end at
+different offsets inside a page. One engine per condition and format:
+
+* ``reference``: ample KV, prefix caching off, every prompt's prefill in one step (the batch), then each prompt
+  alone in the same engine (``alone``);
+* ``preempted``: KV for a few sequences only (requests are preempted and recomputed), prefix caching on, 48-token
+  prefill chunks (chunk boundaries fall inside pages);
+* ``chunked``: ample KV, prefix caching on, 200-token prefill chunks.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+from s4kv.runtime.bundled_models import HELDOUT
+from s4kv.runtime.eval.data import load_heldout
+
+SHARED_PREFIX = 256
+TAILS = (5, 40, 77, 127, 128, 150, 99, 3)  # tokens after the shared prefix: inside, at and past a page end
+GENERATE = 48
+BLOCKS_UNDER_PRESSURE = 8  # pages of 128 tokens: about two of the eight requests at a time
+
+CONDITIONS = {
+    "reference": dict(enable_prefix_caching=False, max_num_batched_tokens=4096),
+    "preempted": dict(enable_prefix_caching=True, max_num_batched_tokens=48,
+                      num_gpu_blocks_override=BLOCKS_UNDER_PRESSURE),
+    "chunked": dict(enable_prefix_caching=True, max_num_batched_tokens=200),
+}
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    stream = tokenizer("\n\n".join(load_heldout(HELDOUT)[:40]), add_special_tokens=False)["input_ids"]
+    prefix = stream[:SHARED_PREFIX]
+    out, at = [], SHARED_PREFIX
+    for tail in TAILS:
+        out.append(prefix + stream[at:at + tail])
+        at += tail
+    return out
+
+
+def engine_kwargs(scheme: str, condition: str) -> dict:
+    common = dict(max_model_len=512, max_num_seqs=16, enable_chunked_prefill=True, enforce_eager=True,
+                  dtype="bfloat16", seed=0, kv_cache_memory_bytes=64 * 2**20, disable_log_stats=False,
+                  **CONDITIONS[condition])
+    if scheme == "bf16":
+        return common
+    return dict(common, kv_cache_dtype="int4_per_token_head", attention_config={"backend": "CUSTOM"},
+                additional_config={"s4kv": {"scheme": scheme}})
+
+
+def staged_layers(model) -> int:
+    """Attention layers that hold an int4_kivi staging pool."""
+    return sum(getattr(module.impl, "staged_keys", None) is not None for module in model.modules()
+               if hasattr(module, "impl"))
+
+
+def run(model: str, scheme: str, condition: str) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model, **engine_kwargs(scheme, condition))
+    greedy = SamplingParams(temperature=0, max_tokens=GENERATE, ignore_eos=True)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts(llm.get_tokenizer())]
+    batch = llm.generate(requests, greedy, use_tqdm=False)
+    result = {condition: [list(o.outputs[0].token_ids) for o in batch]}
+    if condition == "reference":
+        result["alone"] = [list(llm.generate([r], greedy, use_tqdm=False)[0].outputs[0].token_ids) for r in requests]
+    metrics = {m.name: m.value for m in llm.get_metrics() if m.name in ("vllm:num_preemptions",)}
+    result[f"{condition}_stats"] = {
+        "preemptions": int(metrics.get("vllm:num_preemptions", 0)),
+        "cached_tokens": sum(o.num_cached_tokens or 0 for o in batch),
+        "staged_layers": llm.apply_model(staged_layers)[0],
+        "prompt_tokens": [len(o.prompt_token_ids) for o in batch],
+    }
+    del llm
+    gc.collect()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    model, schemes = argv[0], argv[1:]
+    results: dict[str, dict] = {}
+    for scheme in schemes:
+        results[scheme] = {}
+        for condition in CONDITIONS:
+            results[scheme].update(run(model, scheme, condition))
+            cleanup_dist_env_and_memory()
+    print("RESULT " + json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,168 @@
+"""int4_kivi's staging-slot assignment (runtime/plugin/staging.py), step by step as the engine drives it: which slot
+each token and sequence carries, re-keying to the block a step ends in, release on close, on finish/preemption and
+when a block id is written from offset 0 again, and a loud failure when the pool runs out. The last test checks that
+the slots the assignment hands the store make every closed page a function of its keys alone (the reference store)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from s4kv.kernels import reference as ref
+from s4kv.kernels.layout import cache_shape
+from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.staging import allocate_pool
+from s4kv.runtime.plugin.staging import (NO_SLOT, SlotAssignment, StagingAssignmentError, StagingBuffers,
+                                         StagingPoolExhausted, announce_step, departed_requests)
+
+BSZ = 128
+
+
+def step(slots: SlotAssignment, contexts, queries, table):
+    return slots.assign(np.array(contexts), np.array(queries), np.array(table))
+
+
+def test_prefill_then_decode_keeps_one_slot_rekeyed_to_the_open_block():
+    slots = SlotAssignment(4, BSZ)
+    table = [[7, 3, 9]]
+    step_slots, seq_slots = step(slots, [0], [200], table)  # closes block 7, ends inside block 3
+    assert step_slots.tolist() == [0] and seq_slots.tolist() == [0] and slots.held == {3: 0}
+    for c in range(200, 255):  # decode inside block 3
+        step_slots, seq_slots = step(slots, [c], [1], table)
+        assert step_slots.tolist() == [0] and seq_slots.tolist() == [0] and slots.held == {3: 0}
+    step_slots, seq_slots = step(slots, [255], [1], table)  # writes block 3's last slot: closes, slot released
+    assert step_slots.tolist() == [0] and seq_slots.tolist() == [NO_SLOT] and slots.held == {}
+    assert slots.num_free == 4
+    step_slots, seq_slots = step(slots, [256], [1], table)  # the first token of block 9 takes a slot again
+    assert seq_slots.tolist() == [step_slots[0]] and slots.held == {9: step_slots[0]}
+
+
+def test_a_chunk_that_closes_and_opens_reuses_its_slot_and_aligned_steps_take_none():
+    slots = SlotAssignment(2, BSZ)
+    table = [[5, 6, 8, 2]]
+    step(slots, [0], [100], table)
+    step_slots, seq_slots = step(slots, [100], [250], table)  # closes 5 (staged rows in the slot), 6, opens 8
+    assert step_slots.tolist() == [0] and seq_slots.tolist() == [0] and slots.held == {8: 0}
+    slots = SlotAssignment(2, BSZ)
+    step_slots, seq_slots = step(slots, [0], [256], table)  # two whole blocks in one step: no slot at all
+    assert step_slots.tolist() == [NO_SLOT] and seq_slots.tolist() == [NO_SLOT] and slots.num_free == 2
+
+
+def test_a_slot_freed_by_a_close_serves_another_sequence_from_the_next_step():
+    slots = SlotAssignment(1, BSZ)
+    step(slots, [0], [127], [[4]])
+    step_slots, seq_slots = step(slots, [127, 0], [1, 0], [[4], [0]])  # sequence 0 closes its block
+    assert step_slots.tolist() == [0, NO_SLOT] and seq_slots.tolist() == [NO_SLOT, NO_SLOT]
+    step_slots, _ = step(slots, [128, 0], [0, 10], [[4, 1], [6, 0]])  # sequence 1 starts: the one slot is free
+    assert step_slots.tolist() == [NO_SLOT, 0] and slots.held == {6: 0}
+
+
+def test_finished_and_preempted_blocks_give_their_slots_back():
+    slots = SlotAssignment(2, BSZ)
+    step(slots, [0, 0], [10, 20], [[3], [4]])
+    assert slots.num_free == 0
+    with pytest.raises(StagingPoolExhausted, match="no free slot"):
+        step(slots, [10, 20, 0], [1, 1, 5], [[3], [4], [5]])
+    slots.release_blocks([4, 99])  # sequence 1 finished (and an id that holds no slot)
+    assert slots.held == {3: 0}
+    step_slots, _ = step(slots, [10, 0], [1, 5], [[3], [5]])
+    assert step_slots.tolist() == [0, 1]
+
+
+def test_a_block_written_from_offset_0_again_drops_its_stale_slot():
+    slots = SlotAssignment(2, BSZ)
+    step(slots, [0], [50], [[12]])  # block 12 open with slot 0; its request then vanishes unreleased
+    step_slots, seq_slots = step(slots, [0], [300], [[30, 12, 13]])  # another request writes 12 from offset 0
+    assert slots.held == {13: seq_slots[0]} and slots.num_free == 1
+
+
+def test_continuing_a_block_without_a_slot_fails_loudly():
+    with pytest.raises(StagingAssignmentError, match="holds no keys"):
+        step(SlotAssignment(2, BSZ), [64], [1], [[3]])
+
+
+def test_buffers_fill_tokens_and_sequences_and_ignore_unannounced_builds():
+    buffers = StagingBuffers(num_slots=4, block_size=BSZ, max_tokens=64, device=torch.device("cpu"))
+    table = np.zeros((8, 4), dtype=np.int32)
+    table[:3, 0] = [10, 11, 12]
+    query_start = torch.tensor([0, 5, 6, 8, 8], dtype=torch.int32)  # the 4th row is CUDA-graph padding
+    seq_lens = torch.tensor([5, 1, 2, 0], dtype=torch.int32)
+    buffers.begin_step(table, [])
+    tokens, seqs = buffers.build(10, 4, query_start, seq_lens)
+    assert tokens.tolist() == [0] * 5 + [1] + [2, 2] + [NO_SLOT, NO_SLOT]
+    assert seqs.tolist() == [0, 1, 2, NO_SLOT]
+    address = buffers.staging_slots.data_ptr()
+    held = buffers.slots.held
+    tokens, seqs = buffers.build(10, 4, query_start, seq_lens)  # a dummy run: no step announced
+    assert tokens.tolist() == [NO_SLOT] * 10 and seqs.tolist() == [NO_SLOT] * 4 and buffers.slots.held == held
+    assert tokens.data_ptr() == address  # the persistent buffer, as full CUDA graphs replay it
+
+
+def test_the_runner_hook_releases_finished_and_preempted_requests_and_announces_the_step():
+    from types import SimpleNamespace as NS
+
+    buffers = StagingBuffers(num_slots=3, block_size=BSZ, max_tokens=16, device=torch.device("cpu"))
+    buffers.slots.assign(np.array([0, 0, 0]), np.array([5, 6, 7]), np.array([[3], [4], [5]]))
+    table = np.array([[5, 0], [9, 0]], dtype=np.int32)
+    runner = NS(attn_groups=[[NS(kv_cache_group_id=0, metadata_builders=[NS(staging=buffers), NS()])]],
+                requests={"done": NS(block_ids=([3],)), "preempted": NS(block_ids=([4],)), "running": NS(block_ids=([5],))},
+                input_batch=NS(block_table=[NS(block_table=NS(np=table))]))
+    output = NS(finished_req_ids={"done", "unknown"}, preempted_req_ids={"preempted"}, total_num_scheduled_tokens=0)
+    departed = departed_requests(runner, output)
+    announce_step(runner, output, departed)  # a step without tokens: releases, announces nothing
+    assert buffers.slots.held == {5: 2}
+    assert buffers.build(2, 2, torch.tensor([0, 1, 2]), torch.tensor([8, 1]))[0].tolist() == [NO_SLOT] * 2
+    announce_step(runner, NS(finished_req_ids=set(), preempted_req_ids=None, total_num_scheduled_tokens=2), [])
+    tokens, seqs = buffers.build(2, 2, torch.tensor([0, 1, 2]), torch.tensor([8, 1]))
+    # the running request continues slot 2, a new one takes a released slot
+    assert tokens[0] == 2 and tokens[1] in (0, 1) and seqs.tolist() == tokens.tolist()
+
+
+def test_a_kivi_builder_owns_the_buffers_and_a_saw_builder_none(tmp_path):
+    from test_backend_metadata import make_builder
+
+    from model_configs import QWEN25_7B, write_model_dir
+
+    model_dir = write_model_dir(tmp_path, "qwen", QWEN25_7B)
+    kivi = make_builder(model_dir, None, scheme="int4_kivi")
+    assert kivi.staging.slots.num_slots == kivi.vllm_config.scheduler_config.max_num_seqs
+    assert kivi.staging.staging_slots.shape[0] == kivi.vllm_config.scheduler_config.max_num_batched_tokens
+    assert make_builder(model_dir, None).staging is None
+
+
+def test_the_assigned_slots_make_pages_a_function_of_their_keys():
+    """Two sequences through the reference store, with the slots the assignment gives: in one batch with one
+    prefill each, and as uneven chunks then decode steps, interleaved, in other pages, with a preemption (release
+    and recompute) in between. The closed pages must hold identical bytes."""
+    torch.manual_seed(0)
+    scheme, heads, dim, length = Int4Scheme("int4_kivi"), 2, 64, 300
+    keys = [torch.randn(length, heads, dim, dtype=torch.float16) for _ in range(2)]
+    values = [torch.randn(length, heads, dim, dtype=torch.float16) for _ in range(2)]
+
+    def run(schedule, tables):
+        """schedule: list of steps, each a list of (sequence, context, query); tables: block ids per sequence."""
+        cache = torch.randint(0, 256, cache_shape(16, heads, BSZ, dim), dtype=torch.uint8)
+        pool = allocate_pool(2, heads, BSZ, dim, torch.float16, "cpu").fill_(float("nan"))
+        slots = SlotAssignment(2, BSZ)
+        for entries in schedule:
+            if entries == "preempt 1":  # sequence 1 loses its pages; it is recomputed from token 0
+                slots.release_blocks(tables[1])
+                continue
+            table = np.array([tables[s] for s, _, _ in entries])
+            step_slots, _ = slots.assign(np.array([c for _, c, _ in entries]), np.array([q for _, _, q in entries]),
+                                         table)
+            key = torch.cat([keys[s][c:c + q] for s, c, q in entries])
+            value = torch.cat([values[s][c:c + q] for s, c, q in entries])
+            mapping = torch.cat([torch.tensor([tables[s][p // BSZ] * BSZ + p % BSZ for p in range(c, c + q)])
+                                 for s, c, q in entries])
+            staging = torch.from_numpy(np.repeat(step_slots, [q for _, _, q in entries]))
+            ref.store_kv(key, value, cache, mapping, scheme, pool, staging)
+        return cache
+
+    one_batch = run([[(0, 0, length), (1, 0, length)]], {0: [0, 1, 2], 1: [3, 4, 5]})
+    chunks = [[(0, 0, 70)], [(0, 70, 100), (1, 0, 129)], "preempt 1",
+              [(1, 0, 7)], [(1, 7, 200), (0, 170, 80)]] + [[(0, 250 + i, 1), (1, 207 + i, 1)] for i in range(50)]
+    pressured = run(chunks, {0: [9, 10, 11], 1: [14, 12, 13]})
+    for s, (a, b) in enumerate([([0, 1], [9, 10]), ([3, 4], [14, 12])]):
+        assert torch.equal(one_batch[a], pressured[b]), f"sequence {s}: closed pages differ"
