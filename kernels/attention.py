@@ -17,6 +17,7 @@ and constants, never on sequence lengths: the kernels are CUDA-graph safe.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -375,43 +376,73 @@ def _merge_splits_kernel(
                  out.to(out_ptr.dtype.element_ty))
 
 
+# Split-KV decode: how many splits a batch gets, per scheme, by the KV-head programs per SM it gives unsplit
+# (num_seqs * num_kv_heads / SMs): (up to this many per SM, splits), first match. A function of the batch size
+# only, for a model and device, so every CUDA graph (captured per batch size) keeps its grid. int4_saw's decode
+# tile is half int4_kivi's, so it wants about twice the splits. Measured on the H200: each count is within 7% of
+# the fastest at every context of 4k-32k measured (tools/device/sweep_splits.py; `--apply` writes this table).
+DECODE_SPLITS = {
+    "int4_kivi": ((0.043, 64), (0.121, 32), (0.343, 8), (0.686, 4), (1.371, 2), (math.inf, 1)),
+    "int4_saw": ((0.043, 128), (0.121, 64), (0.343, 16), (0.686, 8), (1.371, 4), (2.743, 2), (math.inf, 1)),
+}
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, table) -> int:
+    """Split count of a decode batch of ``num_seqs`` sequences by ``table`` (a DECODE_SPLITS entry)."""
+    per_sm = num_seqs * num_kv_heads / num_sms
+    return next(splits for bound, splits in table if per_sm <= bound)
+
+
 @dataclass
 class SplitWorkspace:
     """Partial-softmax buffers for split-KV decode, allocated once (before CUDA-graph capture).
 
-    ``num_splits(num_seqs)`` aims at ``target_programs`` programs in flight; the buffers hold the largest
-    ``num_seqs * num_splits`` that rule gives, so any batch size fits without a new allocation.
+    ``splits[n]`` is the split count of a decode batch of n sequences, for n up to ``max_num_seqs`` (vLLM's
+    max_num_seqs: no batch is larger); the buffers hold the largest ``n * splits[n]``, so every batch fits.
     """
 
     part_acc: torch.Tensor  # [rows, head_dim] fp32, each split's output normalized by its own softmax denominator
     part_ml: torch.Tensor  # [rows, 2] fp32 (running max in log2 units, softmax denominator)
     num_q_heads: int
     num_kv_heads: int
-    target_programs: int
-    max_splits: int
+    splits: tuple[int, ...]
 
     @classmethod
-    def allocate(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, device, target_programs: int | None = None,
-                 max_splits: int = 64, programs_per_sm: int = 4) -> "SplitWorkspace":
-        """``target_programs`` defaults to ``programs_per_sm`` per SM of the device (8 SMs off the GPU)."""
+    def allocate(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, device, scheme_name: str | None = None,
+                 max_num_seqs: int = 256, num_splits: int | None = None,
+                 num_sms: int | None = None) -> "SplitWorkspace":
+        """Splits by DECODE_SPLITS[scheme_name] for the device's SMs (``num_sms``: 8 off the GPU), or
+        ``num_splits`` (a power of two) for every batch size."""
         check_head_dim(head_dim)
+        if (num_splits is None) == (scheme_name is None):
+            raise ValueError("give the scheme whose DECODE_SPLITS rule sizes the workspace, or a fixed num_splits")
+        if scheme_name is not None and scheme_name not in DECODE_SPLITS:
+            raise ValueError(f"no split rule for {scheme_name!r}: one of {', '.join(DECODE_SPLITS)}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
+            raise ValueError(f"num_splits must be a power of two (the merge kernel's tile), got {num_splits}")
         device = torch.device(device)
-        if target_programs is None:
-            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-            target_programs = programs_per_sm * sms
-        # num_splits(n) > 1 only while n * num_kv_heads < target_programs, so n * splits < 2 * target / kv heads
-        max_rows_per_head = 2 * target_programs // num_kv_heads + max_splits
-        rows = max_rows_per_head * num_q_heads
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        splits = tuple(num_splits or (decode_splits(n, num_kv_heads, num_sms, DECODE_SPLITS[scheme_name]) if n else 1)
+                       for n in range(max_num_seqs + 1))
+        rows = max(n * s for n, s in enumerate(splits)) * num_q_heads
         return cls(
             part_acc=torch.empty(rows, head_dim, dtype=torch.float32, device=device),
             part_ml=torch.empty(rows, 2, dtype=torch.float32, device=device),
-            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-            target_programs=target_programs, max_splits=max_splits,
+            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, splits=splits,
         )
 
+    @property
+    def max_num_seqs(self) -> int:
+        return len(self.splits) - 1
+
     def num_splits(self, num_seqs: int) -> int:
-        want = triton.cdiv(self.target_programs, max(1, num_seqs * self.num_kv_heads))
-        return min(self.max_splits, triton.next_power_of_2(want))
+        if num_seqs > self.max_num_seqs:
+            raise ValueError(f"decode batch of {num_seqs} sequences, but the split workspace was allocated for "
+                             f"max_num_seqs {self.max_num_seqs}")
+        return self.splits[num_seqs]
 
 
 def _code_format(dtype: torch.dtype, subnormal: bool) -> dict:
@@ -470,8 +501,6 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None) else 1
     if num_splits > 1 and (workspace.num_q_heads != num_q_heads or workspace.part_acc.shape[1] != head_dim):
         raise ValueError("workspace was allocated for another number of query heads or another head_dim")
-    if num_splits > 1 and num_seqs * num_q_heads * num_splits > workspace.part_ml.shape[0]:
-        raise ValueError("workspace too small for this batch")  # unreachable by construction; guards misuse
     dummy = out if num_splits == 1 else None
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](

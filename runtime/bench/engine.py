@@ -139,7 +139,11 @@ def main(spec_path: str) -> None:
     import vllm
     from vllm import LLM
 
-    llm = LLM(**engine_kwargs(spec))
+    from s4kv.runtime.plugin.config import choose_model_runner
+
+    kwargs = engine_kwargs(spec)
+    choose_model_runner(kwargs.get("additional_config"))
+    llm = LLM(**kwargs)
     startup = time.perf_counter() - start
     warm_start = time.perf_counter()
     warm_up(llm, vocab_size, engine.max_model_len)

@@ -74,10 +74,12 @@ def run(spec: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from s4kv.runtime.plugin.config import choose_model_runner
     from s4kv.runtime.plugin.forced_tokens import ForcedTokens
 
     fmt = FORMATS[spec["format"]]
     top_k = spec["top_k"]
+    choose_model_runner(fmt.engine_kwargs().get("additional_config"))
     try:
         llm = LLM(model=spec["model"], dtype="bfloat16", seed=0, max_logprobs=top_k, enable_prefix_caching=False,
                   logits_processors=[ForcedTokens], **spec["engine"], **fmt.engine_kwargs())

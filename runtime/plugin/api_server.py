@@ -23,7 +23,7 @@ import sys
 from argparse import Namespace
 
 from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_ENGINE_DIED, EXIT_OK, EXIT_UNSUPPORTED
-from s4kv.runtime.plugin.config import S4KVConfigError, as_sentence, check_vllm_config
+from s4kv.runtime.plugin.config import S4KVConfigError, as_sentence, check_vllm_config, choose_model_runner
 from s4kv.runtime.plugin.version import vllm_version_mismatch
 
 WATCHDOG_INTERVAL_S = 0.5
@@ -65,6 +65,7 @@ def _checked_arguments(argv: list[str]) -> Namespace | int:
         if (mismatch := vllm_version_mismatch(vllm.__version__)) is not None:  # before any vLLM internal
             raise Refusal(EXIT_UNSUPPORTED, mismatch)
         args = parse(argv)
+        choose_model_runner(args.additional_config)
         precheck(args)
     except Refusal as refusal:
         print(f"s4kv serve: {refusal}", file=sys.stderr)

@@ -169,14 +169,19 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
                               scheduler.max_num_batched_tokens, self.device)
 
     def _allocate_workspace(self) -> Any:
-        # Split-KV decode buffers, once per builder, before any CUDA-graph capture.
+        # Split-KV decode buffers, once per builder, before any CUDA-graph capture; no decode batch holds more
+        # sequences than the scheduler's max_num_seqs.
         from s4kv.kernels.attention import SplitWorkspace
 
+        config = check_vllm_config(self.vllm_config)
+        if config is None:
+            raise S4KVConfigError(f'S4 KV\'s attention backend needs additional_config["{CONFIG_KEY}"].')
         model_config = self.vllm_config.model_config
         parallel = self.vllm_config.parallel_config
         return SplitWorkspace.allocate(
             model_config.get_num_attention_heads(parallel), model_config.get_num_kv_heads(parallel),
-            model_config.get_head_size(), self.device
+            model_config.get_head_size(), self.device, scheme_name=config.scheme.name,
+            max_num_seqs=self.vllm_config.scheduler_config.max_num_seqs
         )
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,

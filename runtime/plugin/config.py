@@ -9,6 +9,7 @@ Each rejection is one sentence that names the cause and, where there is one, the
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
@@ -18,6 +19,8 @@ from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SUPPORTED_HEAD_DIMS
 
 from .version import VLLM_VERSION, vllm_version_mismatch
+
+logger = logging.getLogger("vllm.s4kv")
 
 # One page per kernel block of 128 tokens for both schemes (a KIVI key group is one full page).
 BLOCK_SIZE = KIVI_BLOCK_SIZE
@@ -70,6 +73,19 @@ def find_options(additional_config: Any) -> Any | None:
         return additional_config.get(CONFIG_KEY)
     return None
 
+
+V2_MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def choose_model_runner(additional_config: Any) -> None:
+    """Select vLLM's V1 model runner for int4_kivi, whose staging slots follow that runner (staging.py); vLLM 0.26
+    picks its V2 runner by default for dense models. Call before vLLM builds its config. A runner the user chose is
+    kept: the engine check then refuses V2 with the reason."""
+    options = find_options(additional_config)
+    if not isinstance(options, Mapping) or options.get("scheme") != KIVI or V2_MODEL_RUNNER_ENV in os.environ:
+        return
+    os.environ[V2_MODEL_RUNNER_ENV] = "0"
+    logger.info("S4 KV: int4_kivi runs on vLLM's V1 model runner (%s=0)", V2_MODEL_RUNNER_ENV)
 
 # ---------------------------------------------------------------------------------------------------------------
 # facts about the model and the engine settings

@@ -36,7 +36,7 @@ def fake_timer(seconds_by_tile):
 def test_sweep_times_every_runnable_config_and_picks_per_scheme(tune, tmp_path, capsys):
     timer = fake_timer([])
     results = tune.run_sweep(tiny_sweep(tune), "cpu", time_ms=timer, dtype=torch.float16, out_dir=str(tmp_path),
-                             target_programs=16)
+                             num_splits=2)
     out = capsys.readouterr().out
     # the interpreter cannot run inline PTX: those configs are reported and skipped, never timed as something else
     assert out.count("skip biased+ptx") == out.count("skip subnormal+ptx") == 2 * 3 and "ValueError" in out
@@ -64,7 +64,7 @@ def test_a_wrong_fast_config_cannot_win(tune, monkeypatch, capsys):
                        prefill_grid=())
     timings = iter([1.0, 0.1] * 2)  # per scheme: the default path 1 ms, the broken subnormal one "faster"
     results = tune.run_sweep(sweep, "cpu", time_ms=lambda fn: (fn(), next(timings))[1], dtype=torch.float16,
-                             target_programs=16)
+                             num_splits=2)
     assert "WRONG subnormal" in capsys.readouterr().out
     assert {r["codes"] for r in results} == {"biased"}
     assert {codes for codes, *_ in tune.best_configs(results).values()} == {"biased"}

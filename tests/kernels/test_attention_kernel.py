@@ -90,17 +90,17 @@ def test_mixed_prefill_and_decode_batch(gen, kernel_device, scheme_name, head_di
 
 
 @pytest.mark.parametrize(
-    "scheme_name, group, target_programs, head_dim",
+    "scheme_name, group, num_splits, head_dim",
     [
-        ("kivi", 1, None, 128), ("kivi", 4, 32, 128), ("kivi", 7, 64, 128),
-        ("saw128", 1, 64, 128), ("saw128", 4, None, 128), ("saw128", 7, 32, 128),
-        ("saw64-rotv", 4, 64, 128), ("saw32", 7, None, 128), ("saw128-rotv", 1, 32, 128),
-        ("kivi", 1, None, 64), ("kivi", 7, 32, 64), ("saw64-rotv", 4, 64, 64), ("saw32", 1, 32, 64),
+        ("kivi", 1, None, 128), ("kivi", 4, 4, 128), ("kivi", 7, 16, 128),
+        ("saw128", 1, 16, 128), ("saw128", 4, None, 128), ("saw128", 7, 8, 128),
+        ("saw64-rotv", 4, 16, 128), ("saw32", 7, None, 128), ("saw128-rotv", 1, 8, 128),
+        ("kivi", 1, None, 64), ("kivi", 7, 8, 64), ("saw64-rotv", 4, 16, 64), ("saw32", 1, 4, 64),
     ],
 )
-def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, scheme_name, group, target_programs,
+def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, scheme_name, group, num_splits,
                                                        head_dim):
-    """max_query_len 1. target_programs None: no workspace (one pass); 32: 4-8 splits; 64: 8-16 (some empty)."""
+    """max_query_len 1. num_splits None: no workspace (one pass); 4-16 splits (at 16, some empty)."""
     scheme = SCHEMES[scheme_name]
     num_q_heads, num_kv_heads = heads_for(group)
     batch = make_paged_batch(gen, DECODE, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
@@ -108,15 +108,14 @@ def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, schem
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
     workspace = None
-    if target_programs is not None:
+    if num_splits is not None:
         workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
-                                            target_programs=target_programs)
-        assert workspace.num_splits(len(DECODE)) > 1, "the case is meant to split the context"
+                                            max_num_seqs=len(DECODE), num_splits=num_splits)
         workspace.part_acc.fill_(float("nan"))
         workspace.part_ml.fill_(float("nan"))
     expected = run_reference(batch, cache, scheme)
     assert_attention_close(run_kernel(batch, cache, scheme, workspace), expected,
-                           f"{scheme_name} GQA {group} target_programs {target_programs} head_dim {head_dim}")
+                           f"{scheme_name} GQA {group} num_splits {num_splits} head_dim {head_dim}")
 
 
 # inline PTX cannot run under the interpreter: those paths run with the GPU tests (tests/kernels/run_gpu.sh)
@@ -140,7 +139,7 @@ def test_other_code_paths_match_the_reference(gen, kernel_device, scheme_name, h
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
     decode = batch.max_query_len == 1
     launch = dataclasses.replace(DECODE_LAUNCH[scheme.name] if decode else PREFILL_LAUNCH, **CODE_PATHS[code_path])
-    workspace = SplitWorkspace.allocate(8, 2, head_dim, kernel_device, target_programs=32) if decode else None
+    workspace = SplitWorkspace.allocate(8, 2, head_dim, kernel_device, num_splits=8) if decode else None
     if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
         # refused, not run: the compiled subnormal path faults on the H200 at this head_dim
         with pytest.raises(ValueError, match=f"subnormal_codes is validated on the GPU at head_dim .* not {head_dim}"):
@@ -169,7 +168,7 @@ def test_decode_with_and_without_workspace_agree(gen, kernel_device):
     batch = make_paged_batch(gen, DECODE, 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, target_programs=64)
+    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, num_splits=16)
     one_pass = run_kernel(batch, cache, scheme)
     split = run_kernel(batch, cache, scheme, workspace)
     torch.testing.assert_close(split, one_pass, rtol=5e-3, atol=5e-3)
@@ -209,7 +208,7 @@ def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, specs, 
     query_start_loc = torch.cat([batch.query_start_loc, last, last])
     seq_lens = torch.cat([batch.seq_lens, torch.tensor([0, 1], dtype=torch.int32, device=kernel_device)])
     block_table = torch.cat([batch.block_table, torch.zeros_like(batch.block_table[:2])])
-    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, target_programs=64) if with_workspace else None
+    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, num_splits=16) if with_workspace else None
     out = torch.full_like(query, float("nan"))
     paged_attention(query, cache, block_table, seq_lens, query_start_loc, batch.max_query_len, SOFTMAX_SCALE,
                     scheme, out, workspace=workspace)
@@ -273,7 +272,7 @@ def test_bad_inputs_get_clear_errors(gen, kernel_device):
     cache64 = torch.zeros(3, 4, 128 * 72, dtype=torch.uint8, device=kernel_device)
     with pytest.raises(ValueError, match="hadamard_block 128 does not divide head_dim 64"):
         paged_attention(query[..., :64], cache64, *args, SCHEMES["saw128"], torch.empty_like(query[..., :64]))
-    workspace = SplitWorkspace.allocate(8, 4, 128, kernel_device, target_programs=64)
+    workspace = SplitWorkspace.allocate(8, 4, 128, kernel_device, num_splits=16)
     with pytest.raises(ValueError, match="another head_dim"):
         paged_attention(query[..., :64], cache64, *args, SCHEMES["kivi"], torch.empty_like(query[..., :64]),
                         workspace=workspace)

@@ -134,8 +134,8 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
     mismatch = code_mismatch(cache, expected_cache, before, head_dim)
     del expected_cache, before
 
-    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda") if batch.max_query_len == 1 \
-        else None
+    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda", scheme.name) \
+        if batch.max_query_len == 1 else None
     launch = DECODE_LAUNCH[scheme.name] if batch.max_query_len == 1 else PREFILL_LAUNCH
     launch = dataclasses.replace(launch, **CODE_PATHS[codes])
     out = torch.full_like(batch.query, float("nan"))
@@ -264,7 +264,7 @@ def test_cuda_graph_replay_of_store_and_attention_matches_eager(request, scheme_
         ))
     num_seqs = len(specs)
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
-    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda")
+    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda", scheme.name)
 
     def decode_step(inputs, cache, out):
         store_kv(inputs["key"], inputs["value"], cache, inputs["slot_mapping"], scheme)
@@ -348,7 +348,7 @@ def test_kernels_address_pages_past_4_gib(request, scheme_name):
              if not torch.equal(actual[starts[s]:starts[s + 1]], expected[starts[s]:starts[s + 1]])]
     assert not wrong, "attention differs for " + "; ".join(page_offsets(s) for s in wrong[:6])
     decode = slice(0, 24)
-    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, 128, "cuda")
+    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, 128, "cuda", scheme.name)
     qsl = torch.arange(25, dtype=torch.int32, device="cuda")
     outs = []
     for cache, table in ((small, batch.block_table), (big, big_table)):

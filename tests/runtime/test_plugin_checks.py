@@ -8,6 +8,8 @@ while vLLM builds the model, before weights load). The three agree case by case.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from s4kv.runtime import cli
@@ -396,3 +398,19 @@ def test_serve_refuses_a_key_in_a_config_file(tmp_path, capsys):
     assert code == EXIT_BAD_INPUT
     assert_one_sentence_per_cause(refusal(out), ["not even in a --config file"])
     assert "sekrit" not in out
+
+
+@pytest.mark.parametrize("additional_config, preset, expected", [
+    ({"s4kv": {"scheme": "int4_kivi"}}, None, "0"),  # kivi: V1 chosen
+    ({"s4kv": {"scheme": "int4_kivi"}}, "1", "1"),  # the user's choice is kept (the engine check then refuses it)
+    ({"s4kv": {"scheme": "int4_saw"}}, None, None),  # saw runs on either runner: vLLM's default stays
+    (None, None, None),  # no S4 KV: nothing changes
+])
+def test_choose_model_runner_selects_v1_only_for_kivi(monkeypatch, additional_config, preset, expected):
+    from s4kv.runtime.plugin.config import V2_MODEL_RUNNER_ENV, choose_model_runner
+
+    monkeypatch.delenv(V2_MODEL_RUNNER_ENV, raising=False)
+    if preset is not None:
+        monkeypatch.setenv(V2_MODEL_RUNNER_ENV, preset)
+    choose_model_runner(additional_config)
+    assert os.environ.get(V2_MODEL_RUNNER_ENV) == expected

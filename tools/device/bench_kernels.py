@@ -6,6 +6,7 @@ heads: GQA 7) and Llama-3.1-8B (32 / 8: GQA 4), head_dim 128, bf16 queries, at c
 batches 1/32/128/256, for:
   fa3_bf16   vLLM 0.26.0's FlashAttention-3 on a bf16 paged cache (block 16), as its FLASH_ATTN backend
              calls it under CUDA graphs (scheduler metadata, num_splits 32)
+  fa3_fp8    the same on vLLM's fp8 (e4m3) cache: queries quantized to fp8 too, descales of 1 (kv_cache_dtype fp8)
   vllm_int4  vLLM 0.26.0's int4_per_token_head path (block 16): unified_attention_int4, RHT of q/out included,
              3D split-KV up to 32 sequences like its TRITON_ATTN backend
   s4kv_kivi, s4kv_saw   s4kv.kernels.attention.paged_attention (block 128), its default launch
@@ -13,8 +14,6 @@ batches 1/32/128/256, for:
              fp16 subnormal MMA operands, and/or unpacked by inline PTX)
   s4kv_saw_rotv   int4_saw with its rotate_values option (values rotated like keys, as vLLM's int4 does), at the
              committed decode launch
-  s4kv_*_t1, s4kv_*_t16   the default launch with the split-KV workspace aiming at 1 or 16 programs per SM
-             instead of the backend's 4 (SplitWorkspace.target_programs): how many splits each shape wants
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
 
 Every cache is filled through its own store path from the same random K/V, pages are handed out in a
@@ -47,15 +46,12 @@ import torch
 SHAPES = {"qwen2.5-7b": (28, 4), "llama-3.1-8b": (32, 8)}
 NUM_Q_HEADS, NUM_KV_HEADS = SHAPES["qwen2.5-7b"]
 HEAD_DIM = 128
-BYTES_PER_TOKEN_HEAD = {"int4": 136, "bf16": 2 * HEAD_DIM * 2}
+BYTES_PER_TOKEN_HEAD = {"int4": 136, "fp8": 2 * HEAD_DIM, "bf16": 2 * HEAD_DIM * 2}
 # code path (kernels.attention.CODE_PATHS) -> method-name suffix
 CODE_PATH_SUFFIX = {"biased": "", "subnormal": "_sub", "biased+ptx": "_ptx", "subnormal+ptx": "_sub_ptx"}
-# split-KV workspace targets measured beside the backend's 4 programs per SM: method-name suffix -> programs per SM
-SPLIT_TARGET_SUFFIX = {"_t1": 1, "_t16": 16}
-METHODS = ("fa3_bf16", "vllm_int4") + tuple(f"s4kv_{scheme}{suffix}" for suffix in CODE_PATH_SUFFIX.values()
-                                             for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv",) + tuple(
-    f"s4kv_{scheme}{suffix}" for suffix in SPLIT_TARGET_SUFFIX for scheme in ("kivi", "saw"))
-FORMAT_OF = {method: "bf16" if method == "fa3_bf16" else "int4" for method in METHODS}
+METHODS = ("fa3_bf16", "fa3_fp8", "vllm_int4") + tuple(f"s4kv_{scheme}{suffix}" for suffix in CODE_PATH_SUFFIX.values()
+                                             for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv",)
+FORMAT_OF = {method: {"fa3_bf16": "bf16", "fa3_fp8": "fp8"}.get(method, "int4") for method in METHODS}
 VLLM_BLOCK_SIZE = 16  # vLLM 0.26.0's default block size for FLASH_ATTN and TRITON_ATTN
 S4KV_BLOCK_SIZE = 128  # our backend forces 128 (a KIVI key group is one page)
 FA3_MAX_SPLITS = 32  # attention_config.flash_attn_max_num_splits_for_cuda_graph
@@ -146,7 +142,7 @@ def render_store_table(timings: list[Timing]) -> str:
 
 # ---------------------------------------------------------------- GPU side
 
-def median_ms(fn) -> float:
+def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     """Median of CUDA-graph replays of fn (captured after two eager calls, which also JIT-compile)."""
     import triton.testing
 
@@ -157,7 +153,7 @@ def median_ms(fn) -> float:
     with torch.cuda.graph(graph):
         fn()
     torch.cuda.synchronize()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
 def copy_bandwidth_gbps() -> float:
@@ -216,26 +212,33 @@ class DecodeProblem:
             yield self.kv_pool[0, :n], self.kv_pool[1, :n], slots
 
 
-def build_fa3(problem: DecodeProblem, block_table: torch.Tensor, out: torch.Tensor):
-    """bf16 paged cache (vLLM's NHD layout, K and V halves of one tensor) read by FA3 as FLASH_ATTN does."""
+def build_fa3(problem: DecodeProblem, block_table: torch.Tensor, out: torch.Tensor, fp8: bool = False):
+    """bf16 (or fp8 e4m3) paged cache (vLLM's NHD layout, K and V halves of one tensor) read by FA3 as FLASH_ATTN
+    does. fp8: K, V and the query in e4m3 with descales of 1 (the random K/V are well inside e4m3's range)."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
 
     num_kv_heads = problem.num_kv_heads
-    cache = torch.empty(block_table.numel(), VLLM_BLOCK_SIZE, num_kv_heads, 2 * HEAD_DIM, dtype=problem.query.dtype,
+    dtype = torch.float8_e4m3fn if fp8 else problem.query.dtype
+    cache = torch.empty(block_table.numel(), VLLM_BLOCK_SIZE, num_kv_heads, 2 * HEAD_DIM, dtype=dtype,
                         device=problem.device)
     for key, value, slots in problem.chunks(block_table, VLLM_BLOCK_SIZE):
-        cache.view(-1, num_kv_heads, 2 * HEAD_DIM)[slots] = torch.cat([key, value], dim=-1)
+        cache.view(-1, num_kv_heads, 2 * HEAD_DIM)[slots] = torch.cat([key, value], dim=-1).to(dtype)
     key_cache, value_cache = cache.split(HEAD_DIM, dim=-1)
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
+    query = problem.query.to(dtype)
+    descales = {}
+    if fp8:
+        ones = torch.ones(problem.batch, num_kv_heads, dtype=torch.float32, device=problem.device)
+        descales = dict(q_descale=ones, k_descale=ones, v_descale=ones)
     metadata = get_scheduler_metadata(
         batch_size=problem.batch, max_seqlen_q=1, max_seqlen_k=problem.context, num_heads_q=problem.num_q_heads,
-        num_heads_kv=num_kv_heads, headdim=HEAD_DIM, cache_seqlens=seq_lens, qkv_dtype=problem.query.dtype,
+        num_heads_kv=num_kv_heads, headdim=HEAD_DIM, cache_seqlens=seq_lens, qkv_dtype=dtype,
         cu_seqlens_q=cu_q, page_size=VLLM_BLOCK_SIZE, causal=True, window_size=(-1, -1), num_splits=FA3_MAX_SPLITS)
     return lambda: flash_attn_varlen_func(
-        q=problem.query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1,
+        q=query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1,
         seqused_k=seq_lens, max_seqlen_k=problem.context, softmax_scale=HEAD_DIM ** -0.5, causal=True,
         window_size=[-1, -1], block_table=block_table, softcap=0.0, scheduler_metadata=metadata, fa_version=3,
-        num_splits=FA3_MAX_SPLITS)
+        num_splits=FA3_MAX_SPLITS, **descales)
 
 
 def build_vllm_int4(problem: DecodeProblem, block_table: torch.Tensor, out: torch.Tensor):
@@ -264,39 +267,52 @@ def build_vllm_int4(problem: DecodeProblem, block_table: torch.Tensor, out: torc
         seq_threshold_3D=VLLM_SEQ_THRESHOLD_3D, num_par_softmax_segments=VLLM_SOFTMAX_SEGMENTS, **buffers)
 
 
-def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, block_table: torch.Tensor,
-               out: torch.Tensor, programs_per_sm: int | None = None):
-    """Our cache filled by our store kernel, read by our paged attention: the scheme's decode launch with one code
-    path, or with ``code_path`` None the launch paged_attention picks itself (DECODE_LAUNCH); the split workspace
-    as our backend allocates it, or aiming at ``programs_per_sm`` programs per SM."""
-    from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, SplitWorkspace, paged_attention
+def fill_s4kv_cache(scheme, problem: DecodeProblem, block_table: torch.Tensor) -> torch.Tensor:
+    """Our int4 paged cache of the problem's K/V, written by our store kernel."""
     from s4kv.kernels.layout import cache_shape
-    from s4kv.kernels.scheme import Int4Scheme
     from s4kv.kernels.store import store_kv
 
-    scheme = Int4Scheme.parse(options)
     shape = cache_shape(block_table.numel(), problem.num_kv_heads, S4KV_BLOCK_SIZE, HEAD_DIM)
     cache = torch.empty(shape, dtype=torch.uint8, device=problem.device)
     for key, value, slots in problem.chunks(block_table, S4KV_BLOCK_SIZE):
         store_kv(key, value, cache, slots, scheme)
-    per_sm = {} if programs_per_sm is None else {"programs_per_sm": programs_per_sm}  # none: as our backend's
-    workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, HEAD_DIM, problem.device, **per_sm)
+    return cache
+
+
+def s4kv_decode_call(scheme, problem: DecodeProblem, cache: torch.Tensor, block_table: torch.Tensor,
+                     out: torch.Tensor, workspace, launch=None):
+    """One decode step of our paged attention over ``cache`` into ``out``."""
+    from s4kv.kernels.attention import paged_attention
+
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
-    launch = None if code_path is None else dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
     return lambda: paged_attention(problem.query, cache, block_table, seq_lens, cu_q, 1, HEAD_DIM ** -0.5, scheme,
                                    out, workspace=workspace, launch=launch)
+
+
+def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, block_table: torch.Tensor,
+               out: torch.Tensor):
+    """Our cache filled by our store kernel, read by our paged attention: the scheme's decode launch with one code
+    path, or with ``code_path`` None the launch paged_attention picks itself (DECODE_LAUNCH); the split workspace
+    as our backend allocates it (splits by DECODE_SPLITS)."""
+    from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, SplitWorkspace
+    from s4kv.kernels.scheme import Int4Scheme
+
+    scheme = Int4Scheme.parse(options)
+    cache = fill_s4kv_cache(scheme, problem, block_table)
+    workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, HEAD_DIM, problem.device,
+                                        scheme.name, max_num_seqs=problem.batch)
+    launch = None if code_path is None else dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
+    return s4kv_decode_call(scheme, problem, cache, block_table, out, workspace, launch)
 
 
 # method -> (page size, builder(problem, block_table, out) -> call that writes out); FA3 first: the reference
 DECODE_METHODS = {
     "fa3_bf16": (VLLM_BLOCK_SIZE, build_fa3),
+    "fa3_fp8": (VLLM_BLOCK_SIZE, partial(build_fa3, fp8=True)),
     "vllm_int4": (VLLM_BLOCK_SIZE, build_vllm_int4),
     **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": f"int4_{scheme}"}, code_path))
        for code_path, suffix in CODE_PATH_SUFFIX.items() for scheme in ("kivi", "saw")},
     "s4kv_saw_rotv": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": "int4_saw", "rotate_values": True}, None)),
-    **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": f"int4_{scheme}"}, None,
-                                                          programs_per_sm=per_sm))
-       for suffix, per_sm in SPLIT_TARGET_SUFFIX.items() for scheme in ("kivi", "saw")},
 }
 
 

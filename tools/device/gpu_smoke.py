@@ -52,7 +52,7 @@ def check():
                 ref.store_kv(k, v, ref_cache, slots, scheme)
                 byte_diff = (ref_cache != cache).float().mean().item()
                 out = torch.full_like(q, float("nan"))
-                ws = SplitWorkspace.allocate(hq, hkv, 128, "cuda")
+                ws = SplitWorkspace.allocate(hq, hkv, 128, "cuda", scheme.name)
                 paged_attention(q, cache, bt, sl, qsl, q_len, 128**-0.5, scheme, out, ws if q_len == 1 else None)
                 r = ref.paged_attention(q, cache, bt, sl, qsl, 128**-0.5, scheme)
                 err = ((out.float() - r).norm() / r.norm()).item()
@@ -73,7 +73,7 @@ def timings():
         for batch, ctx in ((1, 32768), (32, 16384), (256, 4096)):
             cache, bt, sl, qsl, q, *_ = build(batch, ctx, 28, 4, torch.bfloat16, scheme)
             out = torch.empty_like(q)
-            ws = SplitWorkspace.allocate(28, 4, 128, "cuda")
+            ws = SplitWorkspace.allocate(28, 4, 128, "cuda", scheme.name)
             fn = lambda: paged_attention(q, cache, bt, sl, qsl, 1, 128**-0.5, scheme, out, ws)
             ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
             nbytes = batch * ctx * 4 * 136 + 2 * q.numel() * 2

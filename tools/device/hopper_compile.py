@@ -119,7 +119,7 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
         for code_path, staging in launches:
             decode_launch = None if code_path is None else replace(attention.DECODE_LAUNCH[scheme.name], **code_path)
             prefill_launch = None if code_path is None else replace(attention.PREFILL_LAUNCH, **code_path)
-            workspace = attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cpu")
+            workspace = attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cpu", scheme.name)
             q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype)
             decode_qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
             for ws in (workspace, None):  # split-KV decode, and one program per sequence

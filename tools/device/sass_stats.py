@@ -67,7 +67,8 @@ def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.Lau
         attention.paged_attention(
             q, cache, torch.zeros(num_seqs, 4, dtype=torch.int32), torch.ones(num_seqs, dtype=torch.int32),
             torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, scheme, torch.empty_like(q),
-            workspace=attention.SplitWorkspace.allocate(num_q_heads, NUM_KV_HEADS, HEAD_DIM, "cpu"), launch=launch)
+            workspace=attention.SplitWorkspace.allocate(num_q_heads, NUM_KV_HEADS, HEAD_DIM, "cpu", scheme.name),
+            launch=launch)
     (kernel,) = [c for c in compiled if c.kernel == "_paged_attention_kernel"]
     return kernel
 

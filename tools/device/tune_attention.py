@@ -75,8 +75,9 @@ def cuda_median_ms(fn) -> float:
 
 
 def run_sweep(sweep: Sweep, device, time_ms=cuda_median_ms, dtype=torch.bfloat16, out_dir: str | None = None,
-              target_programs: int = 4 * 132) -> list[dict]:
-    """Time every (scheme, shape, config); returns one dict per config that ran and matched the default's output."""
+              num_splits: int | None = None) -> list[dict]:
+    """Time every (scheme, shape, config); returns one dict per config that ran and matched the default's output.
+    Decode splits by DECODE_SPLITS, or ``num_splits`` for every case."""
     results = []
     for scheme_name in SCHEMES:
         scheme = Int4Scheme(scheme_name)
@@ -87,7 +88,8 @@ def run_sweep(sweep: Sweep, device, time_ms=cuda_median_ms, dtype=torch.bfloat16
                 q_len = case[2] if kind == "prefill" else 1
                 cache, bt, sl, qsl, q = make_case(batch, ctx, q_len, device, dtype)
                 out = torch.empty_like(q)
-                ws = SplitWorkspace.allocate(HQ, HKV, 128, device, target_programs=target_programs) \
+                ws = SplitWorkspace.allocate(HQ, HKV, 128, device, None if num_splits else scheme_name,
+                                             max_num_seqs=batch, num_splits=num_splits) \
                     if kind == "decode" else None
                 expected = None  # the first config's output (the default code path): every other must match it
                 for codes, cfg in grid:

@@ -1,0 +1,77 @@
+"""CPU checks of tools/device/sweep_splits.py: which split counts it times and which one it picks per batch."""
+
+from __future__ import annotations
+
+import pytest
+from tools.device import sweep_splits
+
+
+def test_candidates_bound_the_grid_by_programs_per_sm():
+    # Qwen2.5 (4 KV heads) on 132 SMs: at least 132 / 4 programs, at most 64 per SM
+    assert sweep_splits.split_candidates(1, 4, 132) == [16, 32, 64, 128]
+    assert sweep_splits.split_candidates(32, 4, 132) == [1, 2, 4, 8, 16, 32, 64]
+    assert sweep_splits.split_candidates(256, 4, 132) == [1, 2, 4, 8]  # 1024 * 8 <= 64 * 132 < 1024 * 16
+    assert sweep_splits.split_candidates(256, 8, 132) == [1, 2, 4]
+    # even one split above the bound: 1 is kept
+    assert sweep_splits.split_candidates(4096, 8, 132) == [1]
+
+
+def rows(times_by_case, shape="qwen2.5-7b", batch=32):
+    return [dict(shape=shape, batch=batch, context=context, method=scheme, splits=splits, us=us, num_sms=132)
+            for (scheme, context), by_split in times_by_case.items() for splits, us in by_split.items()]
+
+
+def test_choose_minimizes_the_worst_slowdown_over_contexts_per_scheme():
+    measured = rows({("int4_kivi", 4096): {4: 100.0, 8: 90.0, 32: 150.0},
+                     ("int4_kivi", 32768): {4: 600.0, 8: 500.0, 32: 450.0},
+                     ("int4_saw", 4096): {4: 100.0, 8: 200.0, 32: 300.0}})
+    measured.append(dict(shape="qwen2.5-7b", batch=32, context=4096, method="fa3_bf16", splits=None, us=80.0))
+    chosen = sweep_splits.choose_splits(measured)
+    kivi = chosen["int4_kivi"][32 * 4]  # keyed by KV-head programs: batch x 4 KV heads
+    # 8: worst 500/450 = 1.11x; 32: 150/90 = 1.67x; 4: 600/450 = 1.33x
+    assert kivi["splits"] == 8
+    assert abs(kivi["worst"] - 500 / 450) < 1e-9
+    assert chosen["int4_saw"][128]["splits"] == 4
+    assert set(chosen) == {"int4_kivi", "int4_saw"}
+
+
+def test_choose_pools_shapes_with_the_same_kv_head_programs():
+    # Qwen2.5 batch 64 and Llama-3.1 batch 32 both give 256 KV-head programs
+    measured = rows({("int4_saw", 4096): {2: 100.0, 4: 90.0}}, batch=64) + \
+        rows({("int4_saw", 4096): {2: 100.0, 4: 200.0}}, shape="llama-3.1-8b", batch=32)
+    pick = sweep_splits.choose_splits(measured)["int4_saw"][256]
+    assert pick["splits"] == 2 and len(pick["cases"]) == 2
+
+
+def test_choose_ignores_counts_missing_from_a_case():
+    measured = rows({("int4_kivi", 4096): {8: 90.0, 16: 50.0}, ("int4_kivi", 32768): {8: 500.0}})
+    assert sweep_splits.choose_splits(measured)["int4_kivi"][128]["splits"] == 8
+
+
+def test_split_table_bounds_at_geometric_midpoints_and_merges_equal_neighbours():
+    chosen = {4: {"splits": 64}, 32: {"splits": 16}, 128: {"splits": 16}, 1024: {"splits": 2}, 2048: {"splits": 1}}
+    table = sweep_splits.split_table(chosen, 132)
+    assert table == ((round((4 * 32) ** 0.5 / 132, 3), 64), (round((128 * 1024) ** 0.5 / 132, 3), 16),
+                     (round((1024 * 2048) ** 0.5 / 132, 3), 2), (float("inf"), 1))
+
+
+def test_apply_rewrites_the_kernels_tables_and_the_rule_reads_them():
+    from s4kv.kernels import attention
+
+    source = sweep_splits.ATTENTION_SOURCE.read_text()
+    tables = {"int4_kivi": ((0.5, 32), (2.0, 4), (float("inf"), 1)), "int4_saw": ((1.0, 8), (float("inf"), 1))}
+    written = sweep_splits.apply_split_tables(source, tables)
+    assert written.count("DECODE_SPLITS = {") == 1
+    namespace = {"math": __import__("math")}
+    exec(sweep_splits.DECODE_SPLITS_BLOCK.search(written).group(0), namespace)
+    assert namespace["DECODE_SPLITS"] == tables
+    assert attention.decode_splits(33, 4, 132, namespace["DECODE_SPLITS"]["int4_kivi"]) == 4  # 1.0 per SM
+    with pytest.raises(ValueError, match="no split table for int4_saw"):
+        sweep_splits.apply_split_tables(source, {"int4_kivi": tables["int4_kivi"]})
+
+
+def test_render_marks_the_fastest_count():
+    measured = rows({("int4_saw", 4096): {4: 100.0, 8: 90.0}})
+    measured[0]["committed_splits"] = 8
+    table = sweep_splits.render(measured)
+    assert "4:100 8:90* | 8 |" in table

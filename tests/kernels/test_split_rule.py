@@ -1,0 +1,103 @@
+"""The split-KV rule of decode attention (kernels.attention.DECODE_SPLITS) and the workspace it sizes: a function
+of the batch size only (CUDA graphs are captured per batch size), buffers sized for vLLM's max_num_seqs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kv_batches import cache_with_prefix, make_paged_batch, relative_error
+
+from s4kv.kernels import reference as ref
+from s4kv.kernels.attention import DECODE_SPLITS, SplitWorkspace, decode_splits, paged_attention
+from s4kv.kernels.scheme import Int4Scheme
+from s4kv.runtime.schemes import SCHEMES
+
+
+@pytest.mark.parametrize("scheme_name", SCHEMES)
+def test_every_scheme_has_an_ordered_table_that_ends_unbounded(scheme_name):
+    table = DECODE_SPLITS[scheme_name]
+    bounds = [bound for bound, _ in table]
+    assert bounds == sorted(bounds) and bounds[-1] == math.inf
+    assert all(s >= 1 and s & (s - 1) == 0 for _, s in table), "the merge kernel tiles splits by a power of 2"
+    splits = [s for _, s in table]
+    assert splits == sorted(splits, reverse=True), "a larger batch never gets more splits"
+
+
+def test_rule_reads_kv_head_programs_per_sm():
+    table = ((0.25, 64), (1.0, 8), (4.0, 2), (math.inf, 1))
+    assert decode_splits(1, 4, 132, table) == 64  # 4 / 132 per SM
+    assert decode_splits(33, 4, 132, table) == 8  # 132 / 132 = 1.0: inclusive bound
+    assert decode_splits(34, 4, 132, table) == 2
+    assert decode_splits(66, 8, 132, table) == 2  # 528 / 132 = 4.0
+    assert decode_splits(256, 8, 132, table) == 1
+    # the same batch on a device with twice the SMs spreads twice as thin: more splits
+    assert decode_splits(34, 4, 264, table) == 8
+
+
+@pytest.mark.parametrize("scheme_name", SCHEMES)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, max_num_seqs", [(28, 4, 256), (32, 8, 1), (8, 2, 1024)])
+def test_workspace_holds_the_largest_batch_times_its_splits(scheme_name, num_q_heads, num_kv_heads, max_num_seqs):
+    ws = SplitWorkspace.allocate(num_q_heads, num_kv_heads, 128, "cpu", scheme_name, max_num_seqs=max_num_seqs,
+                                 num_sms=132)
+    table = DECODE_SPLITS[scheme_name]
+    assert ws.max_num_seqs == max_num_seqs
+    for n in range(1, max_num_seqs + 1):
+        assert ws.num_splits(n) == decode_splits(n, num_kv_heads, 132, table)
+    need = max(n * decode_splits(n, num_kv_heads, 132, table) for n in range(1, max_num_seqs + 1)) * num_q_heads
+    assert ws.part_acc.shape == (need, 128) and ws.part_ml.shape == (need, 2)
+    assert ws.part_acc.dtype == ws.part_ml.dtype == torch.float32
+
+
+def test_workspace_refuses_a_batch_above_max_num_seqs():
+    ws = SplitWorkspace.allocate(8, 2, 128, "cpu", "int4_saw", max_num_seqs=16)
+    with pytest.raises(ValueError, match="max_num_seqs 16"):
+        ws.num_splits(17)
+
+
+def test_fixed_split_count_for_every_batch_size():
+    ws = SplitWorkspace.allocate(8, 2, 64, "cpu", max_num_seqs=5, num_splits=16)
+    assert {ws.num_splits(n) for n in range(1, 6)} == {16}
+    assert ws.part_acc.shape == (5 * 16 * 8, 64)
+    with pytest.raises(ValueError, match="power of two"):
+        SplitWorkspace.allocate(8, 2, 64, "cpu", num_splits=12)
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
+        SplitWorkspace.allocate(8, 2, 64, "cpu", num_splits=4, max_num_seqs=0)
+    with pytest.raises(ValueError, match="or a fixed num_splits"):
+        SplitWorkspace.allocate(8, 2, 64, "cpu")
+    with pytest.raises(ValueError, match="or a fixed num_splits"):
+        SplitWorkspace.allocate(8, 2, 64, "cpu", "int4_saw", num_splits=4)
+    with pytest.raises(ValueError, match="no split rule for 'int8'"):
+        SplitWorkspace.allocate(8, 2, 64, "cpu", "int8")
+
+
+# The counts the H200 table picks, run by the kernel under the interpreter: the largest (batch 1) and one from a
+# batch of eight, with the workspace poisoned, against the torch reference.
+RULE_CASES = {1: [(1000, 1)], 8: [(0, 1), (126, 1), (127, 1), (300, 1), (5, 1), (383, 1), (900, 1), (64, 1)]}
+
+
+@pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+@pytest.mark.parametrize("num_seqs", sorted(RULE_CASES))
+@pytest.mark.parametrize("scheme_name", SCHEMES)
+def test_kernel_matches_the_reference_at_the_counts_the_h200_table_picks(gen, kernel_device, scheme_name, num_seqs):
+    scheme = Int4Scheme(scheme_name)
+    num_q_heads, num_kv_heads = 7, 1  # GQA 7 with one KV head: the fewest programs the rule splits most
+    ws = SplitWorkspace.allocate(num_q_heads, num_kv_heads, 128, kernel_device, scheme_name, max_num_seqs=num_seqs,
+                                 num_sms=132)
+    splits = ws.num_splits(num_seqs)
+    assert splits == decode_splits(num_seqs, num_kv_heads, 132, DECODE_SPLITS[scheme_name]) >= 32
+    ws.part_acc.fill_(float("nan"))
+    ws.part_ml.fill_(float("nan"))
+    batch = make_paged_batch(gen, RULE_CASES[num_seqs], num_q_heads, num_kv_heads, block_size=128,
+                             dtype=torch.float16, device=kernel_device, head_dim=128)
+    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 1, 128**-0.5,
+                    scheme, out, workspace=ws)
+    expected = ref.paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                                   128**-0.5, scheme)
+    assert not torch.isnan(out).any(), f"{scheme_name}, {splits} splits: unwritten output"
+    assert relative_error(out, expected) < 1e-2, f"{scheme_name}, {splits} splits"

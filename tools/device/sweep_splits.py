@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Split-KV sweep of the decode attention kernel: every split count per (shape, scheme, batch, context).
+
+    python -m tools.device.sweep_splits --out DIR       # H200: about four minutes; DIR/sweep_splits.{json,md}
+
+For each attention shape (bench_kernels.SHAPES), batch and context, FA3 on bf16 and on fp8 run first where vLLM
+is importable (the times to compare with), then each scheme's cache is filled once by our store kernel and read at
+its committed decode launch with the split workspace forced to each split count in turn (split_candidates).
+Outputs are checked finite and against the scheme's first split count (splits change only the order of the sums:
+within SPLIT_MAX_REL_DIFF) and FA3's (bench_kernels' sanity bound); times are medians of CUDA-graph replays.
+
+The split count chosen per scheme for a batch size is the one with the smallest worst-case slowdown against the
+fastest count over the contexts and shapes measured at its KV-head programs (batch x KV heads): the rule must
+depend on the batch only (CUDA graphs are captured per batch size), so one count serves every context. Printed after a
+sweep, or from a saved one with ``--choose``; ``--apply`` writes it into kernels/attention.py's DECODE_SPLITS.
+
+    python -m tools.device.sweep_splits --choose DIR/sweep_splits.json --apply
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from tools.device import bench_kernels as bk
+
+SCHEMES = ("int4_kivi", "int4_saw")
+DEFAULT_BATCHES = "256,32,1,128,64,8"
+DEFAULT_CONTEXTS = "4096,16384,32768"
+MAX_SPLITS = 128
+MAX_PROGRAMS_PER_SM = 64
+# Split counts change only the order of the sums, but on random data the output is a near-cancelling mean (|out| ~
+# |v| / sqrt(context)) and P is rounded to 16 bits against unsigned codes: counts measured 1-4% apart at 4k-32k. A
+# split that dropped or doubled a part of the context is off by tens of percent.
+SPLIT_MAX_REL_DIFF = 0.1
+
+
+def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
+    """Powers of two up to MAX_SPLITS whose grid holds between num_sms / 4 and MAX_PROGRAMS_PER_SM * num_sms
+    programs (1 when even one split is above that). Splits past a short context are empty programs, which the
+    merge weighs 0: one count must serve every context of a batch size."""
+    counts = [1 << i for i in range(int(math.log2(MAX_SPLITS)) + 1)]
+    programs = batch * num_kv_heads
+    fits = [s for s in counts if programs * s <= MAX_PROGRAMS_PER_SM * num_sms]
+    return [s for s in fits if 4 * programs * s >= num_sms] or fits[-1:] or [1]
+
+
+def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
+    """scheme -> KV-head programs of a batch unsplit (batch x KV heads) -> {"splits": the count with the smallest
+    worst-case slowdown against the fastest count over every (shape, context) measured there, "worst": that
+    slowdown, "cases": {(shape, context): (its time, fastest time)}}. Only counts measured in every case compete."""
+    groups: dict[str, dict[int, dict[tuple, dict[int, float]]]] = {}
+    for r in rows:
+        if r.get("us") is None or r["method"] not in SCHEMES:
+            continue
+        programs = r["batch"] * bk.SHAPES[r["shape"]][1]
+        cases = groups.setdefault(r["method"], {}).setdefault(programs, {})
+        cases.setdefault((r["shape"], r["context"]), {})[r["splits"]] = r["us"]
+    chosen: dict[str, dict[int, dict]] = {}
+    for scheme, by_programs in groups.items():
+        for programs, cases in by_programs.items():
+            common = set.intersection(*(set(t) for t in cases.values()))
+            if not common:
+                continue
+
+            def worst(s):
+                return max(t[s] / min(t.values()) for t in cases.values())
+
+            best = min(sorted(common), key=worst)
+            chosen.setdefault(scheme, {})[programs] = {
+                "splits": best, "worst": worst(best),
+                "cases": {c: (t[best], min(t.values())) for c, t in cases.items()}}
+    return chosen
+
+
+def split_table(chosen: dict[int, dict], num_sms: int) -> tuple[tuple[float, int], ...]:
+    """One scheme's DECODE_SPLITS entry from its chosen counts: each measured point's count holds up to the
+    geometric mean of its KV-head programs and the next point's (per SM); the last holds beyond; equal neighbours
+    merge."""
+    points = sorted(chosen)
+    table: list[tuple[float, int]] = []
+    for here, after in zip(points, points[1:] + [None]):
+        bound = math.inf if after is None else round(math.sqrt(here * after) / num_sms, 3)
+        splits = chosen[here]["splits"]
+        if table and table[-1][1] == splits:
+            table[-1] = (bound, splits)
+        else:
+            table.append((bound, splits))
+    return tuple(table)
+
+
+def tables_source(tables: dict[str, tuple]) -> str:
+    def entry(table):
+        return "(" + ", ".join(f"({'math.inf' if b == math.inf else b}, {s})" for b, s in table) + ")"
+
+    body = "".join(f'    "{scheme}": {entry(table)},\n' for scheme, table in tables.items())
+    return "DECODE_SPLITS = {\n" + body + "}\n"
+
+
+ATTENTION_SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "attention.py"
+DECODE_SPLITS_BLOCK = re.compile(r"^DECODE_SPLITS = \{\n.*?^\}\n", re.MULTILINE | re.DOTALL)
+
+
+def apply_split_tables(source: str, tables: dict[str, tuple]) -> str:
+    """kernels/attention.py's text with its DECODE_SPLITS block replaced by ``tables`` (every scheme needs one)."""
+    missing = [s for s in SCHEMES if s not in tables]
+    if missing:
+        raise ValueError(f"no split table for {', '.join(missing)}: the sweep has no complete case of it")
+    if len(DECODE_SPLITS_BLOCK.findall(source)) != 1:
+        raise ValueError("expected exactly one `DECODE_SPLITS = {...}` block in kernels/attention.py")
+    return DECODE_SPLITS_BLOCK.sub(lambda _: tables_source(tables), source)
+
+
+def render(rows: list[dict]) -> str:
+    """One line per (shape, scheme, batch, context): FA3 times, then each split count's time (fastest starred)."""
+    by_case: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by_case.setdefault((r["shape"], r["batch"], r["context"]), []).append(r)
+    lines = ["| shape | batch | context | fa3_bf16 | fa3_fp8 | scheme | us per split count (fastest *) | committed |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (shape, batch, context), case in by_case.items():
+        ref = {r["method"]: r for r in case if r["method"].startswith("fa3")}
+        fa3 = lambda m: f"{ref[m]['us']:,.0f}" if m in ref and ref[m]["us"] else "-"  # noqa: E731
+        for scheme in SCHEMES:
+            timed = [r for r in case if r["method"] == scheme and r["us"]]
+            if not timed:
+                continue
+            fastest = min(r["us"] for r in timed)
+            cells = " ".join(f"{r['splits']}:{r['us']:,.0f}{'*' if r['us'] == fastest else ''}" for r in timed)
+            committed = timed[0].get("committed_splits")
+            lines.append(f"| {shape} | {batch} | {context:,} | {fa3('fa3_bf16')} | {fa3('fa3_fp8')} | {scheme} | "
+                         f"{cells} | {committed} |")
+    return "\n".join(lines) + "\n"
+
+
+def fa3_available() -> bool:
+    try:
+        import vllm.vllm_flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def sweep(shapes, batches, contexts, budget_s: float, out: Path) -> list[dict]:
+    from s4kv.kernels.attention import SplitWorkspace
+    from s4kv.kernels.scheme import Int4Scheme
+
+    start = time.monotonic()
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pool_tokens = min(max(batches) * max(contexts), bk.FILL_CHUNK_TOKENS)
+    pools = {s: torch.randn(2, pool_tokens, bk.SHAPES[s][1], bk.HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+             for s in shapes}
+    rows: list[dict] = []
+    for batch in batches:
+        for context in contexts:
+            for shape in shapes:
+                if time.monotonic() - start > budget_s:
+                    print(f"budget: skipped {shape} batch {batch} context {context}", flush=True)
+                    continue
+                rows += sweep_case(shape, batch, context, pools[shape], generator, num_sms, SplitWorkspace,
+                                   Int4Scheme)
+                (out / "sweep_splits.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls, scheme_cls) -> list[dict]:
+    num_q_heads, num_kv_heads = bk.SHAPES[shape]
+    query = torch.randn(batch, num_q_heads, bk.HEAD_DIM, dtype=kv_pool.dtype, device=kv_pool.device)
+    problem = bk.DecodeProblem(batch, context, query, kv_pool)
+    tables = {size: bk.shuffled_block_table(batch, math.ceil(context / size), generator).to(kv_pool.device)
+              for size in (bk.VLLM_BLOCK_SIZE, bk.S4KV_BLOCK_SIZE)}
+    base = dict(shape=shape, batch=batch, context=context, num_sms=num_sms)
+    rows, reference = [], None
+    for method, fp8 in ((("fa3_bf16", False), ("fa3_fp8", True)) if fa3_available() else ()):
+        out = torch.full_like(query, float("nan"))
+        try:
+            us = bk.median_ms(bk.build_fa3(problem, tables[bk.VLLM_BLOCK_SIZE], out, fp8=fp8)) * 1e3
+            if not torch.isfinite(out).all():
+                raise RuntimeError("output has NaN/inf")
+            if reference is None:
+                reference = out.float()
+            rows.append(dict(base, method=method, splits=None, us=us,
+                             gbps=bk.decode_bytes(batch, context, "fp8" if fp8 else "bf16", num_q_heads,
+                                                  num_kv_heads) / us / 1e3))
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append(dict(base, method=method, splits=None, us=None, error=f"{type(exc).__name__}: {exc}"))
+        torch.cuda.empty_cache()
+    nbytes = bk.decode_bytes(batch, context, "int4", num_q_heads, num_kv_heads)
+    for scheme_name in SCHEMES:
+        scheme = scheme_cls.parse({"scheme": scheme_name})
+        cache = bk.fill_s4kv_cache(scheme, problem, tables[bk.S4KV_BLOCK_SIZE])
+        committed = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, kv_pool.device, scheme_name,
+                                           max_num_seqs=batch).num_splits(batch)
+        first = None  # the first split count's output: every other count must match it
+        for splits in split_candidates(batch, num_kv_heads, num_sms):
+            workspace = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, kv_pool.device,
+                                               max_num_seqs=batch, num_splits=splits)
+            out = torch.full_like(query, float("nan"))
+            row = dict(base, method=scheme_name, splits=splits, committed_splits=committed)
+            try:
+                us = bk.median_ms(bk.s4kv_decode_call(scheme, problem, cache, tables[bk.S4KV_BLOCK_SIZE], out,
+                                                      workspace), rep_ms=60) * 1e3
+                if not torch.isfinite(out).all():
+                    raise RuntimeError("output has NaN/inf (unwritten or broken)")
+                err = float((out.float() - reference).norm() / reference.norm()) if reference is not None else None
+                if err is not None and err > bk.SANITY_MAX_REL_ERR:
+                    raise RuntimeError(f"output differs from FA3's by {err:.3f} (relative)")
+                if first is None:
+                    first = out.float()
+                diff = float((out.float() - first).norm() / first.norm())
+                if diff > SPLIT_MAX_REL_DIFF:
+                    raise RuntimeError(f"output differs from the first split count's by {diff:.2e} (relative)")
+                rows.append(dict(row, us=us, gbps=nbytes / us / 1e3, rel_err_vs_fa3=err))
+            except Exception as exc:
+                traceback.print_exc()
+                rows.append(dict(row, us=None, error=f"{type(exc).__name__}: {exc}"))
+            del workspace
+        del cache
+        torch.cuda.empty_cache()
+    line = " ".join(f"{r['method']}/{r['splits']}:{r['us']:,.0f}" for r in rows if r.get("us"))
+    print(f"{shape} b={batch} ctx={context}: {line}", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--shapes", default=",".join(bk.SHAPES))
+    parser.add_argument("--batches", default=DEFAULT_BATCHES)
+    parser.add_argument("--contexts", default=DEFAULT_CONTEXTS)
+    parser.add_argument("--budget-s", type=float, default=180, help="start no new case after this many seconds")
+    parser.add_argument("--choose", type=Path, metavar="SWEEP_JSON", help="print the split count per batch (no GPU)")
+    parser.add_argument("--apply", action="store_true", help="write the chosen table into DECODE_SPLITS")
+    args = parser.parse_args()
+    if args.choose:
+        rows = json.loads(args.choose.read_text())
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("sweep_splits.py needs a CUDA GPU (or --choose SWEEP_JSON)")
+        args.out.mkdir(parents=True, exist_ok=True)
+        rows = sweep([s for s in args.shapes.split(",") if s], [int(b) for b in args.batches.split(",")],
+                     [int(c) for c in args.contexts.split(",")], args.budget_s, args.out)
+        (args.out / "sweep_splits.md").write_text(render(rows))
+        print(render(rows))
+    chosen = choose_splits(rows)
+    for scheme, by_programs in sorted(chosen.items()):
+        for programs, pick in sorted(by_programs.items()):
+            print(f"{scheme} at {programs} KV-head programs: {pick['splits']} splits, worst case {pick['worst']:.2f}x "
+                  f"the fastest count over {len(pick['cases'])} cases")
+    tables = {scheme: split_table(chosen[scheme], rows[0]["num_sms"]) for scheme in SCHEMES if scheme in chosen}
+    print(tables_source(tables), end="")
+    if args.apply:
+        ATTENTION_SOURCE.write_text(apply_split_tables(ATTENTION_SOURCE.read_text(), tables))
+        print(f"written into {ATTENTION_SOURCE}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
