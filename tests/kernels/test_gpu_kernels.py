@@ -206,7 +206,7 @@ def test_kivi_open_blocks_read_from_the_staging_pool_at_real_sizes(request, erro
     launch = dataclasses.replace(DECODE_LAUNCH[kivi.name] if decode else PREFILL_LAUNCH, **CODE_PATHS[codes])
     if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
         pytest.skip("the subnormal codes are refused at this head_dim (test_store_and_attention_at_real_sizes)")
-    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda") if decode else None
+    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda", kivi.name) if decode else None
     out = torch.full_like(batch.query, float("nan"))
     paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
                     batch.max_query_len, softmax_scale, kivi, out, workspace=workspace, launch=launch,
