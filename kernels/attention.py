@@ -6,8 +6,9 @@ and dequantized once per KV head (GQA shared). Rows of the [BLOCK_M, head_dim] q
 
 Scores are taken in the space the keys are stored in: int4_saw keys (and staged int4_kivi blocks: open, or
 closed over several batches) are rotated, so the program rotates Q once (the rotation is orthonormal, scores are
-unchanged); int4_kivi blocks closed per channel hold unrotated keys and use Q as is. With rotated values the
-output is un-rotated at the end.
+unchanged); int4_kivi blocks closed per channel hold unrotated keys and use Q as is. With int4_kivi's staging pool
+(kernels/staging.py) the open block's keys are read from the pool, the original keys in the model dtype, against
+the unrotated Q. With rotated values the output is un-rotated at the end.
 
 Decode batches (max_query_len == 1) with a workspace split the context over NUM_SPLITS programs (flash-decoding)
 and a second kernel merges the partial softmaxes. Grids depend only on the token count, the number of sequences
@@ -26,6 +27,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout, check_head_dim, tile_tokens
 from .scheme import Int4Scheme
+from .staging import check_pool_read
 from .triton_common import (kivi_block_is_per_channel, load_channel_params, load_key_token_params, load_token_params,
                             rotate_halves)
 
@@ -195,18 +197,38 @@ def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SC
     return raw * CODE_SCALE + bias[:, None]
 
 
+@triton.jit
+def _scores_from_pool(q_rows, row_live, staged_keys_ptr, pool_page, pool_stride_token, offset, written, slot,
+                      HALF: tl.constexpr):
+    """Q K^T for the open int4_kivi block from its original keys in the staging pool, against Q as given (the pool
+    and the query share the model dtype). A sequence whose open block has no slot (-1) scores NaN: an assignment
+    bug then shows in the output of every query that reads the block."""
+    ch = tl.arange(0, HALF)
+    q_lo = tl.load(q_rows + ch[None, :], mask=row_live[:, None], other=0.0)
+    q_hi = tl.load(q_rows + HALF + ch[None, :], mask=row_live[:, None], other=0.0)
+    readable = (written & (slot >= 0))[:, None]
+    k_rows = staged_keys_ptr + pool_page + offset[:, None] * pool_stride_token + ch[None, :]
+    k_lo = tl.load(k_rows, mask=readable, other=0.0)
+    k_hi = tl.load(k_rows + HALF, mask=readable, other=0.0)
+    scores = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+    return tl.where(slot >= 0, scores, float("nan"))
+
+
 # Runtime values must not pick kernel variants: Triton would otherwise compile one per "== 1 / multiple of 16"
 # value of num_seqs and per 16-byte alignment of the (sliced) metadata pointers, and a new variant met while
 # serving is a JIT stall of seconds. The metadata is read with scalar loads, where alignment buys nothing.
 @triton.jit(do_not_specialize=["num_seqs"],
-            do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
+            do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr",
+                                            "sequence_slots_ptr"])
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_u8_ptr, cache_f16_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_acc_ptr, part_ml_ptr,
+    part_acc_ptr, part_ml_ptr, staged_keys_ptr, sequence_slots_ptr,
     qk_scale, num_seqs,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_table_stride, stride_block, stride_head,
+    pool_stride_slot, pool_stride_head, pool_stride_token,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, IS_KIVI: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, ROTATE_V: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_KIVI: tl.constexpr, HAS_POOL: tl.constexpr, HADAMARD_BLOCK: tl.constexpr,
+    ROTATE_V: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
 ):
@@ -242,6 +264,10 @@ def _paged_attention_kernel(
         qr_hi = qr_hi.to(dt)
         qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
 
+        if HAS_POOL:
+            slot = tl.load(sequence_slots_ptr + seq)
+            pool_page = slot.to(tl.int64) * pool_stride_slot + kv_head * pool_stride_head
+
         kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
         num_tiles = tl.cdiv(kv_end, TILE)
         tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -266,7 +292,11 @@ def _paged_attention_kernel(
                                      IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
             k_params = (page + layout_k_params) // 2
             if IS_KIVI:
-                if kivi_block_is_per_channel(cache_f16_ptr, k_params, logical_block, seq_len, BLOCK_SIZE):
+                # with a pool, the last page of a sequence not ending on a page boundary is its open block
+                if HAS_POOL and (logical_block + 1) * BLOCK_SIZE > seq_len:
+                    scores = _scores_from_pool(q_rows, row_live, staged_keys_ptr, pool_page, pool_stride_token,
+                                               offset, written, slot, HALF)
+                elif kivi_block_is_per_channel(cache_f16_ptr, k_params, logical_block, seq_len, BLOCK_SIZE):
                     scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
                 else:
                     scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset,
@@ -429,12 +459,21 @@ def _code_format(dtype: torch.dtype, subnormal: bool) -> dict:
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len: int,
                     softmax_scale: float, scheme: Int4Scheme, out, workspace: SplitWorkspace | None = None,
-                    launch: LaunchConfig | None = None) -> None:
-    """Causal attention of query [T, Hq, D] over the int4 paged cache of head_dim D into out [T, Hq, D]."""
+                    launch: LaunchConfig | None = None, staged_keys=None, sequence_slots=None) -> None:
+    """Causal attention of query [T, Hq, D] over the int4 paged cache of head_dim D into out [T, Hq, D].
+
+    int4_kivi with its staging pool: ``staged_keys`` [slots, Hkv, 128, D] in the query's dtype and
+    ``sequence_slots`` int32 [num_seqs] (each sequence's open-block slot, -1 where its last block is full); the
+    open blocks' keys are then read from the pool (reference.paged_attention)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query must be [T, Hq, D] with Hq a multiple of {num_kv_heads}, got {tuple(query.shape)}")
+    check_pool_read(staged_keys, sequence_slots, seq_lens.shape[0], num_kv_heads, head_dim, scheme)
+    has_pool = staged_keys is not None
+    if has_pool and (staged_keys.dtype != query.dtype or staged_keys.stride(-1) != 1):
+        raise ValueError(f"staged_keys must be {query.dtype} (the query's dtype) with contiguous channels, got "
+                         f"{staged_keys.dtype} strides {staged_keys.stride()}")
     layout = PageLayout.of_cache(kv_cache, head_dim)
     block_size = layout.block_size
     if scheme.is_kivi and block_size != KIVI_BLOCK_SIZE:
@@ -467,11 +506,12 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     _paged_attention_kernel[grid](
         query, out, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, query_start_loc,
         workspace.part_acc if num_splits > 1 else dummy, workspace.part_ml if num_splits > 1 else dummy,
+        staged_keys if has_pool else query, sequence_slots if has_pool else seq_lens,
         softmax_scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), *(staged_keys.stride()[:3] if has_pool else (0, 0, 0)),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile_tokens(block_size, launch.tile), BLOCK_SIZE=block_size,
-        IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
+        IS_KIVI=scheme.is_kivi, HAS_POOL=has_pool, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
         **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages,

@@ -22,7 +22,7 @@ import torch
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout
 from .scheme import Int4Scheme
-from .staging import check_staging
+from .staging import check_pool_read, check_staging
 
 QMAX = 15
 EPS = 2.0**-14  # smallest normal fp16: a constant vector keeps a representable, positive scale
@@ -204,8 +204,13 @@ def staged_flags(k_params: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # read + attention
 # ---------------------------------------------------------------------------------------------------------------
-def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Scheme, head_dim: int):
-    """The first seq_len keys and values of one sequence, [seq_len, Hkv, head_dim] float32, in the original space."""
+def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Scheme, head_dim: int,
+                        staged_keys=None, slot: int = -1):
+    """The first seq_len keys and values of one sequence, [seq_len, Hkv, head_dim] float32, in the original space.
+
+    With int4_kivi's staging pool ``staged_keys`` and the sequence's ``slot`` in it, the keys of the open block (the
+    last, when seq_len % 128 != 0) are the pool's original keys, not its staged codes: KIVI keeps the open group's
+    keys in full precision."""
     pages = PageViews(kv_cache, head_dim)
     bsz = pages.block_size
     rot = scheme.rotation(head_dim, kv_cache.device)
@@ -219,6 +224,11 @@ def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Sch
         closed = full[:, None] & ~staged_flags(kp)  # [n, Hkv]: per head, as every head's page carries its flag
         per_channel = dequantize_per_channel(k_codes, kp[..., None, :head_dim, 0], kp[..., None, :head_dim, 1])
         k = torch.where(closed[:, :, None, None], per_channel, k)
+    open_len = seq_len % bsz
+    if staged_keys is not None and open_len:
+        if slot < 0:
+            raise ValueError(f"a sequence of {seq_len} tokens ends in an open block but has no staging slot")
+        k[-1, :, :open_len] = staged_keys[slot, :, :open_len].float()
     vp = pages.v_params[blocks]
     v = dequantize_per_token(unpack_nibbles(pages.v_codes[blocks]), vp[..., 0], vp[..., 1])
     if scheme.rotate_values:
@@ -230,8 +240,14 @@ def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Sch
     return tokens_first(k), tokens_first(v)
 
 
-def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, scheme: Int4Scheme):
-    """Causal attention of query [T, Hq, D] over the paged int4 cache; returns float32 [T, Hq, D]."""
+def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, scheme: Int4Scheme,
+                    staged_keys=None, sequence_slots=None):
+    """Causal attention of query [T, Hq, D] over the paged int4 cache; returns float32 [T, Hq, D].
+
+    int4_kivi with its staging pool: ``staged_keys`` [slots, Hkv, 128, D] and ``sequence_slots`` [num_seqs] (the
+    pool slot of each sequence's open block, -1 for a sequence whose last block is full); the open blocks' keys are
+    read from the pool (dequantize_sequence)."""
+    check_pool_read(staged_keys, sequence_slots, seq_lens.shape[0], kv_cache.shape[1], query.shape[-1], scheme)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     num_kv_heads = kv_cache.shape[1]
     group = query.shape[1] // num_kv_heads
@@ -241,7 +257,8 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sof
         q_len = q.shape[0]
         if q_len == 0:
             continue
-        k, v = dequantize_sequence(kv_cache, block_table[i], seq_len, scheme, query.shape[-1])
+        slot = -1 if sequence_slots is None else int(sequence_slots[i])
+        k, v = dequantize_sequence(kv_cache, block_table[i], seq_len, scheme, query.shape[-1], staged_keys, slot)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .layout import KIVI_BLOCK_SIZE
+
 
 def allocate_pool(num_slots: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
                   device) -> torch.Tensor:
@@ -33,3 +35,18 @@ def check_staging(staged_keys: torch.Tensor, staging_slots: torch.Tensor, key: t
                          f"model's keys, unrounded), got {tuple(staged_keys.shape)} {staged_keys.dtype}")
     if staging_slots.shape[0] < key.shape[0]:
         raise ValueError(f"staging_slots holds {staging_slots.shape[0]} entries for {key.shape[0]} tokens")
+
+
+def check_pool_read(staged_keys, sequence_slots, num_seqs: int, num_kv_heads: int, head_dim: int, scheme) -> None:
+    """The pool and per-sequence slots an attention read takes: both or neither, int4_kivi only, one int32 slot per
+    sequence, a pool of the cache's heads, 128-token pages and head_dim."""
+    if staged_keys is None and sequence_slots is None:
+        return
+    if staged_keys is None or sequence_slots is None or not scheme.is_kivi:
+        raise ValueError("staged_keys and sequence_slots go together, and only with int4_kivi")
+    if staged_keys.dim() != 4 or tuple(staged_keys.shape[1:]) != (num_kv_heads, KIVI_BLOCK_SIZE, head_dim):
+        raise ValueError(f"staged_keys must be [slots, {num_kv_heads}, {KIVI_BLOCK_SIZE}, {head_dim}], got "
+                         f"{tuple(staged_keys.shape)}")
+    if sequence_slots.dtype != torch.int32 or tuple(sequence_slots.shape) != (num_seqs,):
+        raise ValueError(f"sequence_slots must be int32 [{num_seqs}] (one per sequence), got {sequence_slots.dtype} "
+                         f"{tuple(sequence_slots.shape)}")

@@ -16,8 +16,10 @@ import torch
 
 KV_HOOK = "s4kv_kv_hook"
 
-# (layer_idx, key [B, Hkv, T, D], value [B, Hkv, T, D]) -> (key, value), same shapes
-KVTransform = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (layer_idx, key [B, Hkv, T, D], value [B, Hkv, T, D]) -> (key, value), same shapes; or (key, value, visible):
+# keys and values [B, Hkv, S, D] and the bool mask [1, 1, new tokens, S] of what each query sees, which replaces the
+# causal mask (what a query reads can depend on its position beyond causality: int4_kivi's open block)
+KVTransform = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 
 _active: contextvars.ContextVar[KVTransform | None] = contextvars.ContextVar("s4kv_kv_transform", default=None)
 _registered = False
@@ -34,10 +36,12 @@ def _hooked_attention(module, query, key, value, attention_mask, **kwargs):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            new_key, new_value = transform(module.layer_idx, key, value)
+            new_key, new_value, *visible = transform(module.layer_idx, key, value)
         finally:
             torch.set_num_threads(threads)
         key, value = new_key.to(key.dtype), new_value.to(value.dtype)
+        if visible:
+            attention_mask = visible[0]
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -166,6 +166,44 @@ def cache_with_prefix(batch: PagedBatch, scheme: Int4Scheme, gen: torch.Generato
     return cache
 
 
+@dataclass
+class StagingPool:
+    """int4_kivi's staging pool as the engine hands it to a batch: ``staged_keys`` [slots, Hkv, 128, D] and, per
+    sequence, its slot (``store_slots``, for every token it stores) and ``sequence_slots`` (int32, what attention
+    reads: the slot where the sequence ends inside a block, else -1)."""
+
+    staged_keys: torch.Tensor
+    store_slots: list[int]
+    sequence_slots: torch.Tensor
+
+    def per_token(self, batch: PagedBatch) -> torch.Tensor:
+        """staging_slots of batch.key's rows (padding rows included: -1, never read)."""
+        rows = [torch.full((q_len,), slot) for (_, q_len), slot in zip(batch.specs, self.store_slots)]
+        return torch.cat(rows + [torch.full((batch.key.shape[0] - batch.num_tokens,), -1)]).to(batch.key.device)
+
+
+def cache_and_pool_with_prefix(batch: PagedBatch, gen: torch.Generator, device,
+                               spare_slots: int = 3) -> tuple[torch.Tensor, StagingPool]:
+    """A poisoned cache and a staging pool of NaN holding every sequence's cached prefix, written by the reference
+    with the pool in one prefill (its open blocks' keys in the pool, the rest of the pool never written). Slots are
+    a random choice among ``num_seqs + spare_slots``: unused ones stay NaN."""
+    kivi = Int4Scheme("int4_kivi")
+    cache = poisoned_cache(batch.num_blocks, batch.num_kv_heads, batch.block_size, gen, device, batch.head_dim)
+    num_seqs = len(batch.specs)
+    staged_keys = torch.full((num_seqs + spare_slots, batch.num_kv_heads, batch.block_size, batch.head_dim),
+                             float("nan"), dtype=batch.key.dtype, device=device)
+    store_slots = torch.randperm(num_seqs + spare_slots, generator=gen, device=gen.device)[:num_seqs].tolist()
+    ends_open = [int(n) % batch.block_size != 0 for n in batch.seq_lens.tolist()]
+    pool = StagingPool(staged_keys, store_slots,
+                       torch.tensor([s if o else -1 for s, o in zip(store_slots, ends_open)], dtype=torch.int32,
+                                    device=device))
+    if batch.prefix_slots.numel():
+        prefix_slots = torch.cat([torch.full((context,), slot) for (context, _), slot in zip(batch.specs, store_slots)])
+        ref.store_kv(batch.prefix_key, batch.prefix_value, cache, batch.prefix_slots, kivi, staged_keys,
+                     prefix_slots.to(device))
+    return cache, pool
+
+
 def written_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int, scheme: Int4Scheme):
     """What a store of ``slot_mapping`` writes: (tokens bool [num_blocks, B], closed bool [num_blocks]).
 
@@ -240,17 +278,19 @@ def assert_caches_match(actual: torch.Tensor, expected: torch.Tensor, before: to
         torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-6, equal_nan=True, msg=lambda m: f"{name}: {m}")
 
 
-def dense_reference(batch: PagedBatch, cache: torch.Tensor, scheme: Int4Scheme, seqs) -> tuple[list, list]:
+def dense_reference(batch: PagedBatch, cache: torch.Tensor, scheme: Int4Scheme, seqs,
+                    pool: StagingPool | None = None) -> tuple[list, list]:
     """What the dense prefill gather must produce for the sequences ``seqs``, float32 [seq_len, Hkv, D] each:
-    the cached prefix as the reference reads it (block states as of seq_len, the store having run), then the
-    fresh rows of batch.key / batch.value."""
+    the cached prefix as the reference reads it (block states as of seq_len, the store having run; with ``pool``,
+    the open block's keys from it), then the fresh rows of batch.key / batch.value."""
     ks, vs = [], []
     starts = batch.query_start_loc.tolist()
     for i in seqs:
         seq_len = int(batch.seq_lens[i])
         fresh = slice(starts[i], starts[i + 1])
         prefix = seq_len - (starts[i + 1] - starts[i])
-        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], seq_len, scheme, batch.head_dim)
+        staged = (None, -1) if pool is None else (pool.staged_keys, int(pool.sequence_slots[i]))
+        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], seq_len, scheme, batch.head_dim, *staged)
         ks.append(torch.cat([k_hat[:prefix], batch.key[fresh].float()]))
         vs.append(torch.cat([v_hat[:prefix], batch.value[fresh].float()]))
     return ks, vs

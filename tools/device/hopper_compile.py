@@ -88,7 +88,8 @@ def compile_only():
 def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_heads: int = 4) -> None:
     """Every launch the backend makes, once per head_dim, scheme and query dtype (compile_only records them): at
     head_dim 128 with every attention code path (attention.CODE_PATHS, which the benchmark and tuning tools sweep),
-    at head_dim 64 the backend's own launches; int4_kivi's store also with a staging pool (kernels/staging.py)."""
+    at head_dim 64 the backend's own launches; int4_kivi's store, and its attention and dense gather with the
+    backend's own launches, also with a staging pool (kernels/staging.py)."""
     from s4kv.kernels import attention
     from s4kv.kernels.dense import gather_dense_kv
     from s4kv.kernels.layout import KIVI_BLOCK_SIZE, cache_shape
@@ -105,13 +106,17 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
         cache = torch.zeros(cache_shape(num_blocks, num_kv_heads, block_size, head_dim), dtype=torch.uint8)
         kv = torch.zeros(5, num_kv_heads, head_dim, dtype=dtype)
         store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme)
+        # head_dim 64: the backend's own launches (launch=None), which pick the code path that head_dim allows
+        code_paths = attention.CODE_PATHS.values() if head_dim == 128 else [None]
+        stagings = [{}]  # what attention and the dense gather read beside the cache: nothing, or int4_kivi's pool
+        launches = [(code_path, {}) for code_path in code_paths]
         if scheme.is_kivi:
             pool = torch.zeros(num_seqs, num_kv_heads, block_size, head_dim, dtype=dtype)
             store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme, staged_keys=pool,
                      staging_slots=torch.zeros(5, dtype=torch.int64))
-        # head_dim 64: the backend's own launches (launch=None), which pick the code path that head_dim allows
-        code_paths = attention.CODE_PATHS.values() if head_dim == 128 else [None]
-        for code_path in code_paths:
+            stagings.append({"staged_keys": pool, "sequence_slots": torch.arange(num_seqs, dtype=torch.int32)})
+            launches.append((None, stagings[-1]))  # with the backend's launches only: each variant costs CI time
+        for code_path, staging in launches:
             decode_launch = None if code_path is None else replace(attention.DECODE_LAUNCH[scheme.name], **code_path)
             prefill_launch = None if code_path is None else replace(attention.PREFILL_LAUNCH, **code_path)
             workspace = attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cpu", scheme.name)
@@ -119,17 +124,18 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             decode_qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
             for ws in (workspace, None):  # split-KV decode, and one program per sequence
                 attention.paged_attention(q, cache, block_table, seq_lens, decode_qsl, 1, 0.1, scheme,
-                                          torch.empty_like(q), workspace=ws, launch=decode_launch)
+                                          torch.empty_like(q), workspace=ws, launch=decode_launch, **staging)
             q = torch.zeros(20, num_q_heads, head_dim, dtype=dtype)
             prefill_qsl = torch.tensor([0, 3, 20], dtype=torch.int32)
             attention.paged_attention(q, cache, block_table, seq_lens, prefill_qsl, 17, 0.1, scheme,
-                                      torch.empty_like(q), workspace=workspace, launch=prefill_launch)
-        dense = torch.empty(int(seq_lens.sum()), num_kv_heads, head_dim, dtype=dtype)
-        cu_k = torch.tensor([0, 300, 317], dtype=torch.int32)
-        gather_dense_kv(torch.zeros(20, num_kv_heads, head_dim, dtype=dtype),
-                        torch.zeros(20, num_kv_heads, head_dim, dtype=dtype), cache, block_table, seq_lens,
-                        torch.tensor([0, 3, 20], dtype=torch.int32), cu_k, 300, scheme, dense,
-                        torch.empty_like(dense))
+                                      torch.empty_like(q), workspace=workspace, launch=prefill_launch, **staging)
+        for staging in stagings:
+            dense = torch.empty(int(seq_lens.sum()), num_kv_heads, head_dim, dtype=dtype)
+            cu_k = torch.tensor([0, 300, 317], dtype=torch.int32)
+            gather_dense_kv(torch.zeros(20, num_kv_heads, head_dim, dtype=dtype),
+                            torch.zeros(20, num_kv_heads, head_dim, dtype=dtype), cache, block_table, seq_lens,
+                            torch.tensor([0, 3, 20], dtype=torch.int32), cu_k, 300, scheme, dense,
+                            torch.empty_like(dense), **staging)
 
 
 def main() -> int:

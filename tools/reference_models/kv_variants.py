@@ -37,7 +37,7 @@ VARIANTS = {
     "fp8 e4m3": TORCH_FORMATS["fp8_fa3"],
     "vLLM int4_per_token_head (emulated)": TORCH_FORMATS["vllm_int4"],
     "int4_kivi": whole_window(Int4Scheme("int4_kivi")),
-    "int4_kivi, written one token per step (every block closed by decode)":
+    "int4_kivi, written one token per step (every block closed by decode steps through the staging pool)":
         lambda prefill_tokens=None: PagedInt4Cache(Int4Scheme("int4_kivi"), prefill_tokens=1),
     "int4_saw (default: hadamard_block 128)": whole_window(Int4Scheme("int4_saw")),
     "int4_saw rotate_values": whole_window(Int4Scheme("int4_saw", 128, rotate_values=True)),
