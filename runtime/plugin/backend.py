@@ -344,16 +344,24 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         m = attn_metadata
         if m.prefill is None:
             self._paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.max_query_len,
-                                  self.scale, self.scheme, output, workspace=m.workspace)
+                                  self.scale, self.scheme, output, workspace=m.workspace, **self._pool_read(m, None))
             return output
         p = m.prefill
         nd, ndt = p.num_decodes, p.num_decode_tokens
         if nd:
             self._paged_attention(query[:ndt], kv_cache, m.block_table[:nd], m.seq_lens[:nd],
                                   m.query_start_loc[: nd + 1], p.decode_max_query_len, self.scale, self.scheme,
-                                  output[:ndt], workspace=m.workspace)
+                                  output[:ndt], workspace=m.workspace, **self._pool_read(m, slice(None, nd)))
         self._prefill_with_flash_attention(query, key, value, kv_cache, m, output)
         return output
+
+    def _pool_read(self, m: S4KVMetadata, rows: slice | None) -> dict[str, Any]:
+        """int4_kivi: the staging pool and the slots of the sequences in ``rows``, so attention reads each open block's
+        original keys (kernels/staging.py); nothing for int4_saw."""
+        if self.staged_keys is None:
+            return {}
+        slots = m.sequence_slots if rows is None else m.sequence_slots[rows]
+        return {"staged_keys": self.staged_keys, "sequence_slots": slots}
 
     def _prefill_with_flash_attention(self, query, key, value, kv_cache, m: S4KVMetadata, output) -> None:
         from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
@@ -363,7 +371,8 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         p = m.prefill
         nd, ndt, end = p.num_decodes, p.num_decode_tokens, m.num_actual_tokens
         gather_dense_kv(key, value, kv_cache, m.block_table[nd:], m.seq_lens[nd:], m.query_start_loc[nd:],
-                        p.cu_seqlens_k, p.max_seq_len, self.scheme, p.dense_k, p.dense_v)
+                        p.cu_seqlens_k, p.max_seq_len, self.scheme, p.dense_k, p.dense_v,
+                        **self._pool_read(m, slice(nd, None)))
         flash_attn_varlen_func(
             q=query[ndt:end], k=p.dense_k, v=p.dense_v, out=output[ndt:end], cu_seqlens_q=p.cu_seqlens_q,
             max_seqlen_q=p.max_query_len, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_k=p.max_seq_len,
