@@ -106,7 +106,8 @@ def test_the_runner_hook_releases_finished_and_preempted_requests_and_announces_
     buffers.slots.assign(np.array([0, 0, 0]), np.array([5, 6, 7]), np.array([[3], [4], [5]]))
     table = np.array([[5, 0], [9, 0]], dtype=np.int32)
     runner = NS(attn_groups=[[NS(kv_cache_group_id=0, metadata_builders=[NS(staging=buffers), NS()])]],
-                requests={"done": NS(block_ids=([3],)), "preempted": NS(block_ids=([4],)), "running": NS(block_ids=([5],))},
+                requests={"done": NS(block_ids=([3],)), "preempted": NS(block_ids=([4],)),
+                          "running": NS(block_ids=([5],))},
                 input_batch=NS(block_table=[NS(block_table=NS(np=table))]))
     output = NS(finished_req_ids={"done", "unknown"}, preempted_req_ids={"preempted"}, total_num_scheduled_tokens=0)
     departed = departed_requests(runner, output)
