@@ -22,11 +22,6 @@ def allocate_pool(num_slots: int, num_kv_heads: int, block_size: int, head_dim: 
     return torch.empty(num_slots, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
 
 
-def pool_bytes(num_slots: int, num_kv_heads: int, block_size: int, head_dim: int, dtype_bytes: int = 2) -> int:
-    """Bytes of one layer's pool: a page of keys in the model dtype per slot."""
-    return num_slots * num_kv_heads * block_size * head_dim * dtype_bytes
-
-
 def check_staging(staged_keys: torch.Tensor, staging_slots: torch.Tensor, key: torch.Tensor, block_size: int) -> None:
     """A pool that fits the batch's keys (same heads, head_dim and dtype: the model's keys, unrounded) and a slot
     entry for every token."""

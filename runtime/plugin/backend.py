@@ -156,31 +156,30 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         # stay out of the host-planned prefill path; the fused kernel reads the exact lengths on the device.
         # Batches of decodes alone (vLLM captures them in full CUDA graphs, drafts included) are never planned.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
-        self.workspace = self._allocate_workspace()
-        self.staging = self._allocate_staging()
+        config = check_vllm_config(vllm_config)
+        if config is None:
+            raise S4KVConfigError(f'S4 KV\'s attention backend needs additional_config["{CONFIG_KEY}"].')
+        self.workspace = self._allocate_workspace(config.scheme)
+        self.staging = self._allocate_staging(config.scheme)
 
-    def _allocate_staging(self) -> StagingBuffers | None:
+    def _allocate_staging(self, scheme: Int4Scheme) -> StagingBuffers | None:
         # int4_kivi: one staging slot per running sequence (a sequence has at most one open block)
-        config = check_vllm_config(self.vllm_config)
-        if config is None or not config.scheme.is_kivi:
+        if not scheme.is_kivi:
             return None
         scheduler = self.vllm_config.scheduler_config
         return StagingBuffers(scheduler.max_num_seqs, self.kv_cache_spec.block_size,
                               scheduler.max_num_batched_tokens, self.device)
 
-    def _allocate_workspace(self) -> Any:
+    def _allocate_workspace(self, scheme: Int4Scheme) -> Any:
         # Split-KV decode buffers, once per builder, before any CUDA-graph capture; no decode batch holds more
         # sequences than the scheduler's max_num_seqs.
         from s4kv.kernels.attention import SplitWorkspace
 
-        config = check_vllm_config(self.vllm_config)
-        if config is None:
-            raise S4KVConfigError(f'S4 KV\'s attention backend needs additional_config["{CONFIG_KEY}"].')
         model_config = self.vllm_config.model_config
         parallel = self.vllm_config.parallel_config
         return SplitWorkspace.allocate(
             model_config.get_num_attention_heads(parallel), model_config.get_num_kv_heads(parallel),
-            model_config.get_head_size(), self.device, scheme_name=config.scheme.name,
+            model_config.get_head_size(), self.device, scheme_name=scheme.name,
             max_num_seqs=self.vllm_config.scheduler_config.max_num_seqs
         )
 
@@ -298,14 +297,14 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
     def _allocate_staging_pool(self, vllm_config: VllmConfig) -> torch.Tensor:
         """int4_kivi's staging pool of this layer (kernels/staging.py), allocated with the model, before vLLM
         profiles memory, so the KV capacity it reports leaves room for it."""
-        from s4kv.kernels.staging import allocate_pool, pool_bytes
+        from s4kv.kernels.staging import allocate_pool
 
         install_step_hook()
         num_slots = vllm_config.scheduler_config.max_num_seqs
         dtype = vllm_config.model_config.dtype
         pool = allocate_pool(num_slots, self.num_kv_heads, BLOCK_SIZE, self.head_size, dtype,
                              vllm_config.device_config.device)
-        size = pool_bytes(num_slots, self.num_kv_heads, BLOCK_SIZE, self.head_size, dtype.itemsize)
+        size = pool.nbytes
         token_bytes = self.num_kv_heads * bytes_per_token(self.head_size)
         logger.info_once(
             "S4 KV int4_kivi staging pool: %d slots (max_num_seqs) x %d KV heads x %d x %d %s = %.1f MiB per "
@@ -344,7 +343,8 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         m = attn_metadata
         if m.prefill is None:
             self._paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.max_query_len,
-                                  self.scale, self.scheme, output, workspace=m.workspace, **self._pool_read(m, None))
+                                  self.scale, self.scheme, output, workspace=m.workspace,
+                                  **self._pool_read(m, slice(None)))
             return output
         p = m.prefill
         nd, ndt = p.num_decodes, p.num_decode_tokens
@@ -355,13 +355,12 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         self._prefill_with_flash_attention(query, key, value, kv_cache, m, output)
         return output
 
-    def _pool_read(self, m: S4KVMetadata, rows: slice | None) -> dict[str, Any]:
+    def _pool_read(self, m: S4KVMetadata, rows: slice) -> dict[str, Any]:
         """int4_kivi: the staging pool and the slots of the sequences in ``rows``, so attention reads each open block's
         original keys (kernels/staging.py); nothing for int4_saw."""
         if self.staged_keys is None:
             return {}
-        slots = m.sequence_slots if rows is None else m.sequence_slots[rows]
-        return {"staged_keys": self.staged_keys, "sequence_slots": slots}
+        return {"staged_keys": self.staged_keys, "sequence_slots": m.sequence_slots[rows]}
 
     def _prefill_with_flash_attention(self, query, key, value, kv_cache, m: S4KVMetadata, output) -> None:
         from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func

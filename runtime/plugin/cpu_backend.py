@@ -14,6 +14,7 @@ import torch
 from vllm.v1.attention.backend import AttentionCGSupport
 
 from s4kv.kernels import reference
+from s4kv.kernels.scheme import Int4Scheme
 
 from .backend import S4KVAttentionBackend, S4KVAttentionImpl, S4KVMetadataBuilder
 
@@ -38,7 +39,7 @@ class S4KVCpuAttentionBackend(S4KVAttentionBackend):
 class S4KVCpuMetadataBuilder(S4KVMetadataBuilder):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER  # no CUDA graphs on the CPU
 
-    def _allocate_workspace(self) -> Any:
+    def _allocate_workspace(self, scheme: Int4Scheme) -> Any:
         return None  # the reference attention needs no split-KV buffers
 
     def _plan_prefill(self, m) -> None:
