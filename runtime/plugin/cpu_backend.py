@@ -16,7 +16,7 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from s4kv.kernels import reference
 from s4kv.kernels.scheme import Int4Scheme
 
-from .backend import S4KVAttentionBackend, S4KVAttentionImpl, S4KVMetadataBuilder
+from .backend import S4KVAttentionBackend, S4KVAttentionImpl, S4KVMetadata, S4KVMetadataBuilder
 
 
 class S4KVCpuAttentionBackend(S4KVAttentionBackend):
@@ -49,11 +49,19 @@ class S4KVCpuMetadataBuilder(S4KVMetadataBuilder):
 class S4KVCpuAttentionImpl(S4KVAttentionImpl):
     def _load_kernels(self) -> None:
         self._store_kv = reference.store_kv
-        self._paged_attention = _reference_attention
 
-
-def _reference_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, softmax_scale,
-                         scheme, out, workspace=None, staged_keys=None, sequence_slots=None) -> None:
-    """kernels.attention.paged_attention's signature over the torch reference (which returns float32)."""
-    out.copy_(reference.paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, scheme,
-                                        staged_keys, sequence_slots))
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: S4KVMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Every query through the reference (which returns float32), after the step's store; ``key`` is the step's
+        keys, from which int4_kivi reads a query's own block (kernels/reference.py, the read rule)."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("S4 KV attention does not fuse output quantization")
+        if attn_metadata is None:  # profiling run
+            return output.fill_(0)
+        m = attn_metadata
+        output.copy_(reference.paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
+                                               self.scale, self.scheme, new_keys=key,
+                                               **self._pool_read(m, slice(None))))
+        return output
