@@ -49,19 +49,11 @@ class S4KVCpuMetadataBuilder(S4KVMetadataBuilder):
 class S4KVCpuAttentionImpl(S4KVAttentionImpl):
     def _load_kernels(self) -> None:
         self._store_kv = reference.store_kv
+        self._stage_open_keys = reference.stage_open_keys
 
-    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: S4KVMetadata | None, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None,
-                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Every query through the reference (which returns float32), after the step's store; ``key`` is the step's
-        keys, from which int4_kivi reads a query's own block (kernels/reference.py, the read rule)."""
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("S4 KV attention does not fuse output quantization")
-        if attn_metadata is None:  # profiling run
-            return output.fill_(0)
-        m = attn_metadata
+    def _attend(self, query, key, value, kv_cache, m: S4KVMetadata, output) -> None:
+        """Every query through the reference (which returns float32); ``key`` is the step's keys, from which
+        int4_kivi reads a query's own block (kernels/reference.py, the read rule)."""
         output.copy_(reference.paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
                                                self.scale, self.scheme, new_keys=key,
                                                **self._pool_read(m, slice(None))))
-        return output

@@ -6,8 +6,9 @@ the steps' chunking or batching.
 
 Checked against a float64 oracle written from the rule (quantizer round trips, no page, no store, one query at a
 time): sequences stored step by step as the engine schedules them (prefills of several pages, chunks starting
-inside a block, steps closing a block, decodes at offsets 127 and 0), every step's store followed by its attention,
-in a poisoned cache with spare pages and a pool of NaN outside the rows the store wrote, at head_dim 64 and 128,
+inside a block, steps closing the block they start in and ending inside the next, decodes at offsets 127 and 0),
+every step's store, attention and staging as the engine runs them, in a poisoned cache with spare pages and a pool
+of NaN outside the rows written (and stale rows of the blocks a reused slot held before), at head_dim 64 and 128,
 GQA groups 1, 3 and 7.
 """
 
@@ -60,21 +61,18 @@ class Sequence:
 
 @dataclass
 class Engine:
-    """A paged cache and staging pool of one layer, filled step by step as the engine does: per step every sequence
-    with tokens left writes its next chunk; a block's pool slot is taken when its first token is written and never
-    handed to another block (the pool has a slot per block, all NaN until written)."""
+    """A paged cache and staging pool of one layer, filled step by step as the engine does (runtime/plugin/staging.py):
+    a sequence keeps one pool slot while it ends inside a block; a step carries it on every token (the slot of the
+    block it starts in, else a free one when it ends inside a block), the store closes blocks from it, attention
+    reads the start block's earlier keys from it, and only then are the keys of the block left open staged into it
+    (re-keyed). A slot whose block closed is free from the next step on, for any sequence: the pool is NaN until
+    written and then holds whatever its earlier blocks left there."""
 
     scheme: Int4Scheme
     cache: torch.Tensor
     staged_keys: torch.Tensor | None
     free_slots: list[int]
-    slot_of_block: dict[tuple[int, int], int] = field(default_factory=dict)
-
-    def slot(self, seq: int, block: int) -> int:
-        if (seq, block) not in self.slot_of_block:
-            self.slot_of_block[seq, block] = self.free_slots.pop()
-        return self.slot_of_block[seq, block]
-
+    slot_of_seq: dict[int, int] = field(default_factory=dict)
 
 def make_sequences(gen, histories, num_q_heads, num_kv_heads, head_dim, dtype, spare_blocks=3):
     """Random K/V/queries per sequence and a shuffled block table; block 0 (block-table padding) and the spare
@@ -93,7 +91,7 @@ def make_sequences(gen, histories, num_q_heads, num_kv_heads, head_dim, dtype, s
 
 
 def make_engine(gen, scheme, sequences, num_blocks, num_kv_heads, head_dim, dtype) -> Engine:
-    num_slots = sum(len(s.blocks) for s in sequences) + 2
+    num_slots = len(sequences) + 2
     pool = None
     if scheme.is_kivi:
         pool = torch.full((num_slots, num_kv_heads, B, head_dim), float("nan"), dtype=dtype)
@@ -113,33 +111,42 @@ class Step:
 
 def run_step(engine: Engine, sequences: list[Sequence], seqs: list[int], slot_override=None) -> Step:
     """The next chunk of each sequence in ``seqs``, batched in that order (plus two NaN padding rows): its store,
-    then its attention. ``slot_override`` {seq: slot} replaces what attention gets as that sequence's slot."""
+    its attention, the staging of the open blocks' keys. ``slot_override`` {seq: slot} replaces what attention gets
+    as that sequence's slot."""
     keys, values, queries, slots, staging, seq_lens, q_lens, chunk_starts, seq_slots = ([] for _ in range(9))
+    closed_slots = []
     for i in seqs:
         s = sequences[i]
         c = s.stored
         q = s.steps.pop(0)
-        positions = torch.arange(c, c + q)
-        keys.append(s.keys[c : c + q])
-        values.append(s.values[c : c + q])
-        queries.append(s.queries[c : c + q])
+        end = c + q
+        positions = torch.arange(c, end)
+        slot = engine.slot_of_seq.pop(i) if c % B else -1
+        if slot < 0 and end % B:
+            slot = engine.free_slots.pop()
+        if end % B:
+            engine.slot_of_seq[i] = slot
+        elif slot >= 0:
+            closed_slots.append(slot)
+        keys.append(s.keys[c:end])
+        values.append(s.values[c:end])
+        queries.append(s.queries[c:end])
         slots.append(torch.tensor(s.blocks)[positions // B] * B + positions % B)
-        staging.append(torch.tensor([engine.slot(i, int(p) // B) for p in positions]))
-        seq_slots.append(engine.slot(i, c // B) if c % B else -1)
-        if slot_override and i in slot_override:
-            seq_slots[-1] = slot_override[i]
+        staging.append(torch.full((q,), slot))
+        seq_slots.append(slot_override[i] if slot_override and i in slot_override else slot)
         chunk_starts.append(c)
-        seq_lens.append(c + q)
+        seq_lens.append(end)
         q_lens.append(q)
-        s.stored = c + q
+        s.stored = end
     num_kv_heads, head_dim = keys[0].shape[1:]
     padding = torch.full((2, num_kv_heads, head_dim), float("nan"), dtype=keys[0].dtype)
     new_keys = torch.cat(keys + [padding])
     slot_mapping = torch.cat(slots + [torch.full((2,), -1)])
+    staging_slots = torch.cat(staging + [torch.full((2,), -1)]).int()
     pool_args = {}
     if engine.scheme.is_kivi:
         ref.store_kv(new_keys, torch.cat(values + [padding]), engine.cache, slot_mapping, engine.scheme,
-                     engine.staged_keys, torch.cat(staging + [torch.full((2,), -1)]).int())
+                     engine.staged_keys, staging_slots, stage=False)
         pool_args = dict(staged_keys=engine.staged_keys, sequence_slots=torch.tensor(seq_slots, dtype=torch.int32))
     else:
         ref.store_kv(new_keys, torch.cat(values + [padding]), engine.cache, slot_mapping, engine.scheme)
@@ -151,6 +158,9 @@ def run_step(engine: Engine, sequences: list[Sequence], seqs: list[int], slot_ov
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     out = ref.paged_attention(query, engine.cache, block_table, torch.tensor(seq_lens, dtype=torch.int32),
                               query_start_loc, SOFTMAX_SCALE, engine.scheme, new_keys=new_keys, **pool_args)
+    if engine.scheme.is_kivi:
+        ref.stage_open_keys(new_keys, slot_mapping, engine.staged_keys, staging_slots)
+    engine.free_slots.extend(closed_slots)  # a stack: the next new block takes the last freed slot
     return Step(list(seqs), chunk_starts, query, new_keys, out, pool_args.get("sequence_slots"))
 
 
