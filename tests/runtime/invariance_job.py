@@ -9,7 +9,9 @@ different offsets inside a page. One engine per condition and format:
   alone in the same engine (``alone``);
 * ``preempted``: KV for a few sequences only (requests are preempted and recomputed), prefix caching on, 48-token
   prefill chunks (chunk boundaries fall inside pages);
-* ``chunked``: ample KV, prefix caching on, 200-token prefill chunks.
+* ``chunked``: ample KV, prefix caching on, 200-token prefill chunks (later prompts of the batch hit the blocks
+  earlier ones computed), then the same batch again in the same engine (``cached``: every prompt's full pages
+  from the prefix cache).
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ def run(model: str, scheme: str, condition: str) -> dict:
     result = {condition: [list(o.outputs[0].token_ids) for o in batch]}
     if condition == "reference":
         result["alone"] = [list(llm.generate([r], greedy, use_tqdm=False)[0].outputs[0].token_ids) for r in requests]
+    if condition == "chunked":
+        again = llm.generate(requests, greedy, use_tqdm=False)
+        result["cached"] = [list(o.outputs[0].token_ids) for o in again]
+        result["cached_stats"] = {"cached_tokens": [o.num_cached_tokens or 0 for o in again]}
     metrics = {m.name: m.value for m in llm.get_metrics() if m.name in ("vllm:num_preemptions",)}
     result[f"{condition}_stats"] = {
         "preemptions": int(metrics.get("vllm:num_preemptions", 0)),
