@@ -58,6 +58,12 @@ def test_greedy_output_depends_on_the_stored_bytes(outputs):
 
 
 CASES = [(scheme, pressure) for scheme in ("int4_kivi", "int4_saw") for pressure in PRESSURES]
+# vLLM's CPU compute is not bitwise the same across batch shapes (bf16's own first-token log-probabilities move by
+# up to 0.031 between the reference and the 200-token-chunk engine), and int4 logits hold exact ties (the reference
+# model's bf16 logits, measured: two prompts' first tokens under int4_kivi): such a choice may flip with the batch
+# whatever the format stores. A changed output counts as a load dependence only where the reference's choice at the
+# first differing token led by more than this.
+NEAR_TIE = 0.05
 
 
 @pytest.mark.parametrize("scheme, pressure", CASES)
@@ -66,4 +72,11 @@ def test_int4_output_is_the_same_under_load_wherever_bf16_is(outputs, scheme, pr
     stable = [i for i, tokens in enumerate(bf16[pressure]) if tokens == bf16["reference"][i]]
     assert len(stable) >= len(bf16["reference"]) // 2  # bf16 itself holds on most prompts
     changed = [i for i in stable if int4[pressure][i] != int4["reference"][i]]
-    assert changed == [], f"{scheme} {pressure}: prompts {changed} differ from the same format without pressure"
+    clear_choices = []
+    for i in changed:
+        first = next(t for t, (a, b) in enumerate(zip(int4[pressure][i], int4["reference"][i])) if a != b)
+        margin = int4["reference_margins"][i][first]
+        if margin >= NEAR_TIE:
+            clear_choices.append(f"prompt {i} token {first} (margin {margin:.3f})")
+    assert clear_choices == [], (f"{scheme} {pressure}: outputs differ from the same format without pressure at "
+                                 f"choices that were not near-ties: {clear_choices}")
