@@ -264,9 +264,9 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sof
 
     int4_kivi needs the step's keys ``new_keys`` [>= T, Hkv, D] (the rows the store got) and its staging pool:
     ``staged_keys`` [slots, Hkv, 128, D] and ``sequence_slots`` int32 [num_seqs], the pool slot of the block each
-    sequence's step starts in (-1 where the step starts on a block boundary). A query sees the keys of its own block
-    as the originals, every earlier block per channel from the cache (the module docstring); one that needs a pool
-    row of a sequence without a slot gets NaN."""
+    sequence's step starts in (read only where the step starts inside a block, -1 for none). A query sees the keys
+    of its own block as the originals, every earlier block per channel from the cache (the module docstring); one
+    that needs a pool row of a sequence without a slot gets NaN."""
     check_pool_read(staged_keys, sequence_slots, seq_lens.shape[0], kv_cache.shape[1], query.shape[-1], scheme)
     if scheme.is_kivi:
         check_kivi_read(new_keys, staged_keys, query, kv_cache.shape[1])
