@@ -60,6 +60,9 @@ def add_arguments(parser) -> None:
                              "that reads its whole context from the KV cache (int4_kivi's blocks then all close over "
                              "several steps); 0.5: half of each window is a prompt whose int4_kivi blocks close per "
                              "channel, as they do for a served prompt")
+    parser.add_argument("--allow-unsupported-model", action="store_true",
+                        help="the S4 KV formats run a model outside the families the plugin is validated on (its "
+                             "start-up check refuses it otherwise), as `s4kv serve --allow-unsupported-model` does")
     # torch engine
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -114,6 +117,7 @@ def vllm_records(args, model: str, fmt: str, inputs: list[RegimeInputs], workdir
     spec = {
         "model": model, "format": fmt, "top_k": args.top_k, "out": str(workdir / f"{fmt}.npz"),
         "engine": {"enforce_eager": args.enforce_eager},  # the rest: vllm_engine.engine_sizing
+        "allow_unsupported_model": args.allow_unsupported_model,
         "regimes": [{"name": i.regime.name, "windows": i.windows, "prompts": i.prompts, "generate": i.regime.generate,
                      "prefill": i.regime.prefill} for i in inputs],
     }

@@ -23,6 +23,7 @@ import sys
 import numpy as np
 
 from s4kv.runtime.bench.matrix import FORMATS
+from s4kv.runtime.schemes import CONFIG_KEY
 
 # exit status of a worker whose engine cannot run the format on this machine (vLLM raised NotImplementedError at
 # start-up, e.g. its CPU engine's fp8 cache without AVX-512); the last line of its output says why
@@ -53,6 +54,19 @@ def engine_sizing(spec: dict, config) -> dict:
     return {"max_model_len": max(lengths), "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max(max(lengths), max_num_seqs), "enable_chunked_prefill": False,
             "kv_cache_memory_bytes": KV_HEADROOM * pages * PAGE_TOKENS * bf16_bytes_per_token}
+
+
+def format_engine_kwargs(name: str, allow_unsupported_model: bool) -> dict:
+    """A format's engine arguments; with ``allow_unsupported_model`` the S4 KV formats' options carry the plugin's
+    opt-in for a model outside its validated families (the other formats have no such check)."""
+    from s4kv.runtime.plugin.config import ALLOW_UNSUPPORTED_MODEL  # imports torch: only in the worker
+
+    kwargs = FORMATS[name].engine_kwargs()
+    additional = kwargs.get("additional_config") or {}
+    if allow_unsupported_model and CONFIG_KEY in additional:
+        kwargs["additional_config"] = {**additional,
+                                       CONFIG_KEY: {**additional[CONFIG_KEY], ALLOW_UNSUPPORTED_MODEL: True}}
+    return kwargs
 
 
 def flat_records(flat, targets: list[int], top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -106,11 +120,12 @@ def run(spec: dict) -> None:
 
     fmt = FORMATS[spec["format"]]
     top_k = spec["top_k"]
-    choose_model_runner(fmt.engine_kwargs().get("additional_config"))
+    format_kwargs = format_engine_kwargs(fmt.name, spec.get("allow_unsupported_model", False))
+    choose_model_runner(format_kwargs.get("additional_config"))
     try:
         llm = LLM(model=spec["model"], dtype="bfloat16", seed=0, max_logprobs=top_k, enable_prefix_caching=False,
                   logits_processors=[ForcedTokens], **engine_sizing(spec, AutoConfig.from_pretrained(spec["model"])),
-                  **spec["engine"], **fmt.engine_kwargs())
+                  **spec["engine"], **format_kwargs)
     except NotImplementedError as unsupported:
         print(f"vLLM cannot run {fmt.name} on this machine: {unsupported}", flush=True)
         raise SystemExit(UNSUPPORTED_EXIT) from None

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from s4kv.runtime.eval.vllm_engine import KV_HEADROOM, PAGE_TOKENS, engine_sizing, flat_records
+from s4kv.runtime.eval.vllm_engine import KV_HEADROOM, PAGE_TOKENS, engine_sizing, flat_records, format_engine_kwargs
 
 
 def flat_logprobs(targets, top_k, tops):
@@ -65,3 +65,13 @@ def test_engine_sizing_holds_every_sequence_at_once_and_prefills_each_prompt_in_
     sizing = engine_sizing(many, config)
     assert (sizing["max_num_seqs"], sizing["max_num_batched_tokens"], sizing["max_model_len"]) == (300, 300, 11)
     assert sizing["kv_cache_memory_bytes"] == KV_HEADROOM * 300 * PAGE_TOKENS * bf16_token
+
+
+def test_allow_unsupported_model_reaches_only_the_s4kv_formats_options():
+    from s4kv.runtime.plugin.config import ALLOW_UNSUPPORTED_MODEL, S4KVConfig
+
+    kivi = format_engine_kwargs("s4kv_saw_rotv", True)["additional_config"]["s4kv"]
+    assert kivi == {"scheme": "int4_saw", "rotate_values": True, ALLOW_UNSUPPORTED_MODEL: True}
+    assert S4KVConfig.parse(kivi).allow_unsupported_model  # the plugin reads it
+    assert "allow_unsupported_model" not in format_engine_kwargs("s4kv_kivi", False)["additional_config"]["s4kv"]
+    assert format_engine_kwargs("fp8_fa3", True) == format_engine_kwargs("fp8_fa3", False)  # no additional_config
