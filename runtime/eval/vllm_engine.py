@@ -30,6 +30,10 @@ from s4kv.runtime.schemes import CONFIG_KEY
 UNSUPPORTED_EXIT = 3
 # the largest KV page of any format (S4 KV's, kernels/layout.BLOCK_SIZE): a sequence's KV rounds up to whole pages
 PAGE_TOKENS = 128
+# With an explicit KV cache size vLLM skips its memory profiling and uses gpu_memory_utilization only to check, at
+# start-up, that this share of the device is free: a small share lets two evals share one GPU
+# (tools/device/real_model.sh runs its two conditions side by side)
+START_UP_FREE_SHARE = 0.3
 # KV cache reserved over what every sequence of the spec needs at once (vLLM's pages may be smaller than
 # PAGE_TOKENS, and its CPU engine pads them), so that no request is ever preempted
 KV_HEADROOM = 2
@@ -53,7 +57,8 @@ def engine_sizing(spec: dict, config) -> dict:
     max_num_seqs = max(max(len(r["windows"]), len(r["prompts"])) for r in spec["regimes"])
     return {"max_model_len": max(lengths), "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max(max(lengths), max_num_seqs), "enable_chunked_prefill": False,
-            "kv_cache_memory_bytes": KV_HEADROOM * pages * PAGE_TOKENS * bf16_bytes_per_token}
+            "kv_cache_memory_bytes": KV_HEADROOM * pages * PAGE_TOKENS * bf16_bytes_per_token,
+            "gpu_memory_utilization": START_UP_FREE_SHARE}
 
 
 def format_engine_kwargs(name: str, allow_unsupported_model: bool) -> dict:

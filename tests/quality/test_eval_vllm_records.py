@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from s4kv.runtime.eval.vllm_engine import KV_HEADROOM, PAGE_TOKENS, engine_sizing, flat_records, format_engine_kwargs
+from s4kv.runtime.eval.vllm_engine import (KV_HEADROOM, PAGE_TOKENS, START_UP_FREE_SHARE, engine_sizing, flat_records,
+                                           format_engine_kwargs)
 
 
 def flat_logprobs(targets, top_k, tops):
@@ -58,7 +59,8 @@ def test_engine_sizing_holds_every_sequence_at_once_and_prefills_each_prompt_in_
     bf16_token = 2 * 30 * 3 * 64 * 2
     assert sizing == {"max_model_len": 1001, "max_num_seqs": 4, "max_num_batched_tokens": 1001,
                       "enable_chunked_prefill": False,
-                      "kv_cache_memory_bytes": KV_HEADROOM * (3 * 3 + 2 * 1 + 4 * 8) * PAGE_TOKENS * bf16_token}
+                      "kv_cache_memory_bytes": KV_HEADROOM * (3 * 3 + 2 * 1 + 4 * 8) * PAGE_TOKENS * bf16_token,
+                      "gpu_memory_utilization": START_UP_FREE_SHARE}
     # no head_dim in the config: hidden_size / heads; many short sequences: the budget covers one token each
     del config.head_dim
     many = {"regimes": [{"windows": [[1] * 10] * 300, "prompts": [], "generate": 1}]}

@@ -36,15 +36,21 @@ python3 tools/device/real_model_parts.py verify "$folder"
 FORMATS=bf16_fa3,fp8_fa3,vllm_int4,s4kv_kivi,s4kv_saw
 SIZES=${SIZES:-"--short-windows 8 --short-len 256 --short-prompts 4 --short-prompt-len 32 --short-generate 16
   --long-windows 0"}
-status=0
-for condition in served:0.5 decode:0; do
-  name=${condition%%:*}
-  mkdir -p "$OUT/$name"
-  echo "=== $name, --prefill-share ${condition#*:} ($(date +%T))"
+# the two conditions side by side (each engine's KV cache is sized to its windows: vllm_engine.engine_sizing)
+evaluate() {  # NAME PREFILL_SHARE
+  mkdir -p "$OUT/$1"
   # shellcheck disable=SC2086
   python3 -m s4kv.runtime.cli eval smollm2 --engine vllm --enforce-eager --allow-unsupported-model \
-      --prefill-share "${condition#*:}" --formats "$FORMATS" $SIZES --out-dir "$OUT/$name" >"$OUT/$name/eval.log" 2>&1 \
-    || { status=1; echo "FAILED (a format or the run), end of $OUT/$name/eval.log:"; tail -30 "$OUT/$name/eval.log"; }
+      --prefill-share "$2" --formats "$FORMATS" $SIZES --out-dir "$OUT/$1" >"$OUT/$1/eval.log" 2>&1
+}
+echo "=== eval, served (--prefill-share 0.5) and decode (--prefill-share 0) side by side ($(date +%T))"
+evaluate served 0.5 & served=$!
+evaluate decode 0 & decode=$!
+status=0
+for run in "served:$served" "decode:$decode"; do
+  name=${run%%:*}
+  wait "${run#*:}" || { status=1; echo "FAILED ($name: a format or the run), end of $OUT/$name/eval.log:"
+                       tail -30 "$OUT/$name/eval.log"; }
   for result in "$OUT/$name"/*-vllm.json; do
     [ -f "$result" ] && python3 -m s4kv.runtime.eval.report "$result" | tee "$OUT/$name/table.md"
   done
