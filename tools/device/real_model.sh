@@ -2,8 +2,9 @@
 # `s4kv eval smollm2 --engine vllm` on the lent H200: the real model (SmolLM2-135M-Instruct, head_dim 64) through
 # vLLM 0.26.0's kernels for every standard KV format, in both conditions: half of each window a served prompt
 # (--prefill-share 0.5) and every position a decode step (--prefill-share 0). The sizes are CI's torch-reference run
-# (tests/quality/test_real_model.py), so the two tables compare cell by cell; SIZES overrides them. SmolLM2 is outside
-# the families the plugin's start-up check accepts (runtime/plugin/config.py), hence --allow-unsupported-model.
+# (tests/quality/test_real_model.py), so the two tables compare cell by cell; SIZES and FORMATS override them.
+# SmolLM2 is outside the families the plugin's start-up check accepts (runtime/plugin/config.py), hence
+# --allow-unsupported-model.
 #
 # The GPU machine is offline and one command takes at most 64 MiB with it, so the model's 94 MiB GGUF file travels in
 # parts, one command each; every command runs this script, which stashes what it carried in /tmp (kept while the
@@ -33,7 +34,7 @@ export PYTHONPATH="$site:$PYTHONPATH" S4KV_CACHE=/tmp/s4kv-cache TOKENIZERS_PARA
 echo "=== convert ($(date +%T))"
 folder=$(python3 -m s4kv.runtime.cli model fetch smollm2)
 python3 tools/device/real_model_parts.py verify "$folder"
-FORMATS=bf16_fa3,fp8_fa3,vllm_int4,s4kv_kivi,s4kv_saw
+FORMATS=${FORMATS:-bf16_fa3,fp8_fa3,vllm_int4,s4kv_kivi,s4kv_saw}
 SIZES=${SIZES:-"--short-windows 8 --short-len 256 --short-prompts 4 --short-prompt-len 32 --short-generate 16
   --long-windows 0"}
 # the two conditions side by side (each engine's KV cache is sized to its windows: vllm_engine.engine_sizing)
