@@ -52,7 +52,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--long-prompts", type=int, default=16)
     parser.add_argument("--long-generate", type=int, default=128)
     # vLLM engine
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (starts faster)")
     parser.add_argument("--prefill-share", type=float, default=0.0, metavar="FRACTION",
                         help="teacher forcing: prefill this share of each window as one prompt (as a served "
@@ -61,6 +60,9 @@ def add_arguments(parser) -> None:
                              "that reads its whole context from the KV cache (int4_kivi's blocks then all close over "
                              "several steps); 0.5: half of each window is a prompt whose int4_kivi blocks close per "
                              "channel, as they do for a served prompt")
+    parser.add_argument("--allow-unsupported-model", action="store_true",
+                        help="the S4 KV formats run a model outside the families the plugin is validated on (its "
+                             "start-up check refuses it otherwise), as `s4kv serve --allow-unsupported-model` does")
     # torch engine
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -110,12 +112,12 @@ class FormatUnsupported(RuntimeError):
     """The engine cannot run this KV format on this machine (not a failure of the format or of the harness)."""
 
 
-def vllm_records(args, model: str, fmt: str, inputs: list[RegimeInputs], max_len: int, workdir: Path) -> Records:
+def vllm_records(args, model: str, fmt: str, inputs: list[RegimeInputs], workdir: Path) -> Records:
     """Run one format in its own vLLM process and read its records back."""
     spec = {
         "model": model, "format": fmt, "top_k": args.top_k, "out": str(workdir / f"{fmt}.npz"),
-        "engine": {"max_model_len": max_len, "gpu_memory_utilization": args.gpu_memory_utilization,
-                   "enforce_eager": args.enforce_eager},
+        "engine": {"enforce_eager": args.enforce_eager},  # the rest: vllm_engine.engine_sizing
+        "allow_unsupported_model": args.allow_unsupported_model,
         "regimes": [{"name": i.regime.name, "windows": i.windows, "prompts": i.prompts, "generate": i.regime.generate,
                      "prefill": i.regime.prefill} for i in inputs],
     }
@@ -172,7 +174,7 @@ def evaluate(args, save=lambda result: None) -> dict:
         workdir = Path(tempfile.mkdtemp(prefix="s4kv-eval-"))
 
         def records_of(fmt: str) -> Records:
-            return vllm_records(args, args.model, fmt, inputs, max_len, workdir)
+            return vllm_records(args, args.model, fmt, inputs, workdir)
 
     result = {
         "model": args.model, "model_name": model_name(args.model), "engine": args.engine,

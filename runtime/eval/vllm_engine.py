@@ -23,10 +23,55 @@ import sys
 import numpy as np
 
 from s4kv.runtime.bench.matrix import FORMATS
+from s4kv.runtime.schemes import CONFIG_KEY
 
 # exit status of a worker whose engine cannot run the format on this machine (vLLM raised NotImplementedError at
 # start-up, e.g. its CPU engine's fp8 cache without AVX-512); the last line of its output says why
 UNSUPPORTED_EXIT = 3
+# the largest KV page of any format (S4 KV's, kernels/layout.BLOCK_SIZE): a sequence's KV rounds up to whole pages
+PAGE_TOKENS = 128
+# With an explicit KV cache size vLLM skips its memory profiling and uses gpu_memory_utilization only to check, at
+# start-up, that this share of the device is free: a small share lets two evals share one GPU
+# (tools/device/real_model.sh runs its two conditions side by side)
+START_UP_FREE_SHARE = 0.3
+# KV cache reserved over what every sequence of the spec needs at once (vLLM's pages may be smaller than
+# PAGE_TOKENS, and its CPU engine pads them), so that no request is ever preempted
+KV_HEADROOM = 2
+
+
+def engine_sizing(spec: dict, config) -> dict:
+    """Context length, KV cache, batch: what the spec's sequences need, not the model's or the device's maximum.
+
+    Every window and prompt of a regime runs at once (``max_num_seqs``) and the cache holds all of them, at bf16's
+    bytes per token (no format stores more), with ``KV_HEADROOM``: no request is preempted. Chunked prefill is off
+    and a step's token budget is one full sequence, so every prompt is prefilled in one step, as the eval describes
+    it. vLLM's defaults would instead, on its CPU engine, allocate and initialise 85% of the host's RAM as KV cache
+    and run its start-up warm-up over a 4096-token batch (minutes on two cores), and could chunk a window's prompt
+    where the step's budget ends; none of that is what the eval measures.
+    """
+    lengths = [len(w) + 1 for r in spec["regimes"] for w in r["windows"]]  # + the token sampled after the last
+    lengths += [len(p) + r["generate"] for r in spec["regimes"] for p in r["prompts"]]
+    pages = sum(-(-n // PAGE_TOKENS) for n in lengths)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    bf16_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # K and V
+    max_num_seqs = max(max(len(r["windows"]), len(r["prompts"])) for r in spec["regimes"])
+    return {"max_model_len": max(lengths), "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max(max(lengths), max_num_seqs), "enable_chunked_prefill": False,
+            "kv_cache_memory_bytes": KV_HEADROOM * pages * PAGE_TOKENS * bf16_bytes_per_token,
+            "gpu_memory_utilization": START_UP_FREE_SHARE}
+
+
+def format_engine_kwargs(name: str, allow_unsupported_model: bool) -> dict:
+    """A format's engine arguments; with ``allow_unsupported_model`` the S4 KV formats' options carry the plugin's
+    opt-in for a model outside its validated families (the other formats have no such check)."""
+    from s4kv.runtime.plugin.config import ALLOW_UNSUPPORTED_MODEL  # imports torch: only in the worker
+
+    kwargs = FORMATS[name].engine_kwargs()
+    additional = kwargs.get("additional_config") or {}
+    if allow_unsupported_model and CONFIG_KEY in additional:
+        kwargs["additional_config"] = {**additional,
+                                       CONFIG_KEY: {**additional[CONFIG_KEY], ALLOW_UNSUPPORTED_MODEL: True}}
+    return kwargs
 
 
 def flat_records(flat, targets: list[int], top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -71,6 +116,7 @@ def run(spec: dict) -> None:
     # This process exists for one engine: keep vLLM's engine core in it instead of spawning another process
     # (a second import of vLLM and torch), which more than halves start-up on the CPU engine.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -79,10 +125,12 @@ def run(spec: dict) -> None:
 
     fmt = FORMATS[spec["format"]]
     top_k = spec["top_k"]
-    choose_model_runner(fmt.engine_kwargs().get("additional_config"))
+    format_kwargs = format_engine_kwargs(fmt.name, spec.get("allow_unsupported_model", False))
+    choose_model_runner(format_kwargs.get("additional_config"))
     try:
         llm = LLM(model=spec["model"], dtype="bfloat16", seed=0, max_logprobs=top_k, enable_prefix_caching=False,
-                  logits_processors=[ForcedTokens], **spec["engine"], **fmt.engine_kwargs())
+                  logits_processors=[ForcedTokens], **engine_sizing(spec, AutoConfig.from_pretrained(spec["model"])),
+                  **spec["engine"], **format_kwargs)
     except NotImplementedError as unsupported:
         print(f"vLLM cannot run {fmt.name} on this machine: {unsupported}", flush=True)
         raise SystemExit(UNSUPPORTED_EXIT) from None

@@ -34,8 +34,8 @@ def test_vllm_records_match_the_torch_engine(tiny_model, tmp_path, prefill):
 
     regimes = [Regime("short", 3, 64, 2, 16, 6, prefill)]
     inputs = build_inputs(AutoTokenizer.from_pretrained(tiny_model), heldout_texts(), regimes)
-    args = argparse.Namespace(top_k=5, gpu_memory_utilization=0.5, enforce_eager=True)
-    from_vllm = vllm_records(args, str(tiny_model), "bf16_fa3", inputs, 512, tmp_path)
+    args = argparse.Namespace(top_k=5, enforce_eager=True, allow_unsupported_model=False)
+    from_vllm = vllm_records(args, str(tiny_model), "bf16_fa3", inputs, tmp_path)
     from_torch = run_format(load_model(str(tiny_model)), inputs, TORCH_FORMATS["bf16_fa3"], top_k=5)
     vllm_tf, torch_tf = from_vllm["short"][0], from_torch["short"][0]
     assert vllm_tf.top_ids.shape == (3, 64 - prefill - 1, 5) and from_vllm["short"][1].tokens.shape == (2, 6)
