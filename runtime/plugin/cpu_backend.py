@@ -53,7 +53,7 @@ class S4KVCpuAttentionImpl(S4KVAttentionImpl):
 
 
 def _reference_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, softmax_scale,
-                         scheme, out, workspace=None, staged_keys=None, sequence_slots=None) -> None:
+                         scheme, out, workspace=None, staged_keys=None, sequence_slots=None, new_keys=None) -> None:
     """kernels.attention.paged_attention's signature over the torch reference (which returns float32)."""
     out.copy_(reference.paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, scheme,
                                         staged_keys, sequence_slots))
