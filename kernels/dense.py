@@ -129,7 +129,7 @@ def _gather_own_keys_kernel(
         k_lo = tl.where(missing, float("nan"), k_lo.to(tl.float32))
         k_hi = tl.where(missing, float("nan"), k_hi.to(tl.float32))
         dense_page = (tl.load(cu_pages_ptr + seq) + pos // BLOCK_SIZE).to(tl.int64)
-        dense = dense_page * dense_stride_page + offset[:, None] * dense_stride_t + head * dense_stride_h + ch[None, :]
+        dense = dense_page[:, None] * dense_stride_page + offset[:, None] * dense_stride_t + head * dense_stride_h + ch[None, :]
         out_dtype = dense_k_ptr.dtype.element_ty
         tl.store(dense_k_ptr + dense, k_lo.to(out_dtype))
         tl.store(dense_k_ptr + dense + HALF, k_hi.to(out_dtype))
@@ -174,7 +174,7 @@ def gather_own_keys(new_keys, staged_keys, sequence_slots, seq_lens, query_start
     with their original keys: rows from the chunk's start are ``new_keys[query_start_loc[i] + (j - chunk_start)]``
     (absolute rows, as for attention.paged_attention), earlier rows of the block the chunk starts in the staging pool
     ``staged_keys[sequence_slots[i], :, j % 128]``; NaN where such a row is needed and the slot is -1. Rows past a
-    sequence's end are left as they are."""
+    sequence's end are 0."""
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = dense_k.shape
     check_pool_read(staged_keys, sequence_slots, num_seqs, num_kv_heads, head_dim, Int4Scheme("int4_kivi"))
