@@ -129,7 +129,8 @@ def _gather_own_keys_kernel(
         k_lo = tl.where(missing, float("nan"), k_lo.to(tl.float32))
         k_hi = tl.where(missing, float("nan"), k_hi.to(tl.float32))
         dense_page = (tl.load(cu_pages_ptr + seq) + pos // BLOCK_SIZE).to(tl.int64)
-        dense = dense_page[:, None] * dense_stride_page + offset[:, None] * dense_stride_t + head * dense_stride_h + ch[None, :]
+        dense = (dense_page[:, None] * dense_stride_page + offset[:, None] * dense_stride_t + head * dense_stride_h
+                 + ch[None, :])
         out_dtype = dense_k_ptr.dtype.element_ty
         tl.store(dense_k_ptr + dense, k_lo.to(out_dtype))
         tl.store(dense_k_ptr + dense + HALF, k_hi.to(out_dtype))

@@ -29,7 +29,7 @@ def per_token_round_trip(x: torch.Tensor, rot: torch.Tensor | None = None) -> to
 
 def per_channel_round_trip(block_keys: torch.Tensor) -> torch.Tensor:
     """One block's 128 original keys [128, H, D], each head quantized per channel and dequantized, float64."""
-    out = torch.empty(block_keys.shape, dtype=torch.float64)
+    out = torch.empty(block_keys.shape, dtype=torch.float64, device=block_keys.device)
     for h in range(block_keys.shape[1]):
         out[:, h] = ref.dequantize_per_channel(*ref.quantize_per_channel(block_keys[:, h].float())).double()
     return out
@@ -42,30 +42,32 @@ def rule_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     seq_len, num_kv_heads, head_dim = keys.shape
     q_len = query.shape[0]
     group = query.shape[1] // num_kv_heads
-    rot = scheme.rotation(head_dim, torch.device("cpu")).double()
-    v = per_token_round_trip(values.cpu(), rot if scheme.rotate_values else None)
+    device = keys.device
+    rot = scheme.rotation(head_dim, device).double()
+    v = per_token_round_trip(values, rot if scheme.rotate_values else None)
     if not scheme.is_kivi:
-        k_saw = per_token_round_trip(keys.cpu(), rot)
-    closed = [per_channel_round_trip(keys[s : s + B].cpu()) for s in range(0, seq_len // B * B, B)]
-    out = torch.empty(query.shape, dtype=torch.float64)
+        k_saw = per_token_round_trip(keys, rot)
+    closed = [per_channel_round_trip(keys[s : s + B]) for s in range(0, seq_len // B * B, B)]
+    out = torch.empty(query.shape, dtype=torch.float64, device=device)
     for i in range(q_len):
         p = seq_len - q_len + i
         if scheme.is_kivi:
             b = p // B
-            k = torch.cat(closed[:b] + [keys[b * B : p + 1].cpu().double()])
+            k = torch.cat(closed[:b] + [keys[b * B : p + 1].double()])
         else:
             k = k_saw[: p + 1]
         kk = k.repeat_interleave(group, 1)
         vv = v[: p + 1].repeat_interleave(group, 1)
-        scores = torch.einsum("hd,khd->hk", query[i].cpu().double(), kk) * softmax_scale
+        scores = torch.einsum("hd,khd->hk", query[i].double(), kk) * softmax_scale
         out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), vv)
     return out
 
 
 def batch_rule_attention(batch: PagedBatch, softmax_scale: float, scheme: Int4Scheme) -> torch.Tensor:
+    """rule_attention of every sequence of the batch, float64 on the CPU (computed on the batch's device)."""
     starts = batch.query_start_loc.tolist()
     return torch.cat([rule_attention(batch.query[starts[i] : starts[i + 1]], k, v, softmax_scale, scheme)
-                      for i, (k, v) in enumerate(zip(batch.seq_keys, batch.seq_values))])
+                      for i, (k, v) in enumerate(zip(batch.seq_keys, batch.seq_values))]).cpu()
 
 
 @dataclass
@@ -81,13 +83,13 @@ class StepPool:
 
 
 def stored_step(gen, specs, head_dim, device, num_q_heads=4, num_kv_heads=2, scheme=KIVI, kernel_store=False,
-                spare_slots=3, num_padding=3) -> tuple[PagedBatch, torch.Tensor, StepPool | None]:
+                spare_slots=3, num_padding=3, dtype=torch.float16) -> tuple[PagedBatch, torch.Tensor, StepPool | None]:
     """A batch of ``specs`` [(context, q_len)], a poisoned cache holding the cached prefixes (one earlier step) and
     then the batch's own store, with int4_kivi's pool (NaN outside the rows a store wrote); shuffled pages and
     slots. ``batch.key`` rows past the step are NaN (CUDA-graph padding)."""
     from s4kv.kernels.store import store_kv
 
-    batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=B, dtype=torch.float16, device=device,
+    batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=B, dtype=dtype, device=device,
                              num_padding=num_padding, head_dim=head_dim)
     cache = poisoned_cache(batch.num_blocks, num_kv_heads, B, gen, device, head_dim)
     store = store_kv if kernel_store else ref.store_kv
@@ -97,7 +99,7 @@ def stored_step(gen, specs, head_dim, device, num_q_heads=4, num_kv_heads=2, sch
         store(batch.key, batch.value, cache, batch.slot_mapping, scheme)
         return batch, cache, None
     n = len(specs)
-    staged_keys = torch.full((2 * n + spare_slots, num_kv_heads, B, head_dim), float("nan"), dtype=torch.float16,
+    staged_keys = torch.full((2 * n + spare_slots, num_kv_heads, B, head_dim), float("nan"), dtype=dtype,
                              device=device)
     order = torch.randperm(2 * n + spare_slots, generator=gen).tolist()
     start_slots, later_slots = order[:n], order[n : 2 * n]

@@ -35,8 +35,8 @@ def attend(batch, cache, pool, scheme=KIVI, workspace=None, sequence_slots=None,
     pool_args = {} if pool is None else dict(
         staged_keys=pool.staged_keys, sequence_slots=pool.sequence_slots if sequence_slots is None else sequence_slots)
     paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, batch.max_query_len,
-                    SOFTMAX_SCALE, scheme, out, workspace=workspace, new_keys=batch.key if new_keys is None else new_keys,
-                    **pool_args)
+                    SOFTMAX_SCALE, scheme, out, workspace=workspace,
+                    new_keys=batch.key if new_keys is None else new_keys, **pool_args)
     return out
 
 
