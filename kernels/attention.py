@@ -520,14 +520,14 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     if has_pool and (staged_keys.dtype != query.dtype or staged_keys.stride(-1) != 1):
         raise ValueError(f"staged_keys must be {query.dtype} (the query's dtype) with contiguous channels, got "
                          f"{staged_keys.dtype} strides {staged_keys.stride()}")
-    if scheme.is_kivi:
-        check_new_keys(new_keys, num_tokens, num_kv_heads, head_dim, query.dtype)
-    else:
-        new_keys = query  # int4_saw reads every key from the cache: the argument is unused
     layout = PageLayout.of_cache(kv_cache, head_dim)
     block_size = layout.block_size
     if scheme.is_kivi and block_size != KIVI_BLOCK_SIZE:
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
+    if scheme.is_kivi:
+        check_new_keys(new_keys, num_tokens, num_kv_heads, head_dim, query.dtype)
+    else:
+        new_keys = query  # int4_saw reads every key from the cache: the argument is unused
     num_seqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     decode = max_query_len == 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kv_batches import PagedBatch, make_paged_batch, poisoned_cache
+from kv_batches import PagedBatch, make_paged_batch, poison_fresh_values, poisoned_cache
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.scheme import Int4Scheme
@@ -83,14 +83,18 @@ class StepPool:
 
 
 def stored_step(gen, specs, head_dim, device, num_q_heads=4, num_kv_heads=2, scheme=KIVI, kernel_store=False,
-                spare_slots=3, num_padding=3, dtype=torch.float16) -> tuple[PagedBatch, torch.Tensor, StepPool | None]:
+                spare_slots=3, num_padding=3, dtype=torch.float16,
+                poison: dict[int, int] | None = None) -> tuple[PagedBatch, torch.Tensor, StepPool | None]:
     """A batch of ``specs`` [(context, q_len)], a poisoned cache holding the cached prefixes (one earlier step) and
     then the batch's own store, with int4_kivi's pool (NaN outside the rows a store wrote); shuffled pages and
-    slots. ``batch.key`` rows past the step are NaN (CUDA-graph padding)."""
+    slots. ``batch.key`` rows past the step are NaN (CUDA-graph padding). ``poison`` {sequence: position}: a NaN
+    value there (kv_batches.poison_fresh_values)."""
     from s4kv.kernels.store import store_kv
 
     batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=B, dtype=dtype, device=device,
                              num_padding=num_padding, head_dim=head_dim)
+    if poison:
+        poison_fresh_values(batch, poison)
     cache = poisoned_cache(batch.num_blocks, num_kv_heads, B, gen, device, head_dim)
     store = store_kv if kernel_store else ref.store_kv
     if not scheme.is_kivi:

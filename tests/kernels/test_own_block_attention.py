@@ -8,12 +8,14 @@ head_dim 64 and 128. Interpreter on the CPU (fp16), compiled on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from kv_batches import relative_error
+from kv_batches import assert_poisoned_rows, relative_error
 from own_block_oracle import KIVI, batch_rule_attention, stored_step
 
-from s4kv.kernels.attention import SplitWorkspace, paged_attention
+from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SplitWorkspace, paged_attention
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 
@@ -30,12 +32,13 @@ DECODE = [(128, 1), (257, 1), (127, 1), (0, 1), (639, 1), (1000, 1)]
 CHUNKS = [(100, 200), (30, 98), (0, 150), (383, 1), (260, 7)]
 
 
-def attend(batch, cache, pool, scheme=KIVI, workspace=None, sequence_slots=None, new_keys=None) -> torch.Tensor:
+def attend(batch, cache, pool, scheme=KIVI, workspace=None, sequence_slots=None, new_keys=None,
+           launch=None) -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan"))
     pool_args = {} if pool is None else dict(
         staged_keys=pool.staged_keys, sequence_slots=pool.sequence_slots if sequence_slots is None else sequence_slots)
     paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, batch.max_query_len,
-                    SOFTMAX_SCALE, scheme, out, workspace=workspace,
+                    SOFTMAX_SCALE, scheme, out, workspace=workspace, launch=launch,
                     new_keys=batch.key if new_keys is None else new_keys, **pool_args)
     return out
 
@@ -47,17 +50,69 @@ def assert_matches_rule(out, expected, what: str) -> None:
     torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-2, atol=2e-2, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
-@pytest.mark.parametrize("num_splits", [None, 4], ids=["one-pass", "split4"])
-def test_decode_reads_the_own_block_from_the_original_keys(gen, kernel_device, head_dim, num_splits):
-    batch, cache, pool = stored_step(gen, DECODE, head_dim, kernel_device, num_q_heads=8, kernel_store=True)
+@pytest.mark.parametrize("head_dim,group,num_splits", [(128, 4, None), (128, 7, 16), (64, 4, 4), (64, 1, None)])
+def test_decode_reads_the_own_block_from_the_original_keys(gen, kernel_device, head_dim, group, num_splits):
+    """One pass and split-KV (at 16 splits some are empty), the store kernel's pages."""
+    num_kv = 2 if group < 7 else 1
+    batch, cache, pool = stored_step(gen, DECODE, head_dim, kernel_device, num_q_heads=group * num_kv,
+                                     num_kv_heads=num_kv, kernel_store=True)
     workspace = None
     if num_splits:
-        workspace = SplitWorkspace.allocate(8, 2, head_dim, kernel_device, num_splits=num_splits)
+        workspace = SplitWorkspace.allocate(group * num_kv, num_kv, head_dim, kernel_device, num_splits=num_splits)
         workspace.part_acc.fill_(float("nan"))
         workspace.part_ml.fill_(float("nan"))
     expected = batch_rule_attention(batch, SOFTMAX_SCALE, KIVI)
-    assert_matches_rule(attend(batch, cache, pool, workspace=workspace), expected, f"splits {num_splits}")
+    assert_matches_rule(attend(batch, cache, pool, workspace=workspace), expected,
+                        f"GQA {group} splits {num_splits} head_dim {head_dim}")
+
+
+GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("code_path", [pytest.param(name, marks=GPU_ONLY if "ptx" in name else [])
+                                       for name in CODE_PATHS if name != "biased"])
+@pytest.mark.parametrize("specs", [CHUNKS, DECODE], ids=["chunks", "decode-split"])
+def test_other_code_paths_follow_the_rule(gen, kernel_device, specs, code_path):
+    """The launch options feeding codes to the MMA as fp16 subnormals and/or unpacked by inline PTX (head_dim 128,
+    where the subnormal path is validated): the own-block tiles and the closed ones, prefill and split decode."""
+    batch, cache, pool = stored_step(gen, specs, 128, kernel_device)
+    decode = batch.max_query_len == 1
+    launch = dataclasses.replace(DECODE_LAUNCH[KIVI.name] if decode else PREFILL_LAUNCH, **CODE_PATHS[code_path])
+    workspace = SplitWorkspace.allocate(4, 2, 128, kernel_device, num_splits=8) if decode else None
+    expected = batch_rule_attention(batch, SOFTMAX_SCALE, KIVI)
+    assert_matches_rule(attend(batch, cache, pool, workspace=workspace, launch=launch), expected, code_path)
+
+
+@pytest.mark.parametrize("with_workspace", [False, True])
+def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, with_workspace):
+    """As vLLM pads a decode batch to a CUDA-graph size: query and key rows past the step (NaN), padded sequences with
+    no query tokens (seq_len 0, or 1 as set at capture), null block-table rows and slot -1."""
+    batch, cache, pool = stored_step(gen, DECODE[:4], 64, kernel_device)
+    expected = batch_rule_attention(batch, SOFTMAX_SCALE, KIVI)
+    n = batch.num_tokens
+    query = torch.cat([batch.query, torch.full((3, *batch.query.shape[1:]), float("nan"), dtype=batch.query.dtype,
+                                               device=kernel_device)])
+    last = batch.query_start_loc[-1:]
+    query_start_loc = torch.cat([batch.query_start_loc, last, last])
+    seq_lens = torch.cat([batch.seq_lens, torch.tensor([0, 1], dtype=torch.int32, device=kernel_device)])
+    block_table = torch.cat([batch.block_table, torch.zeros_like(batch.block_table[:2])])
+    slots = torch.cat([pool.sequence_slots, torch.full((2,), -1, dtype=torch.int32, device=kernel_device)])
+    workspace = SplitWorkspace.allocate(4, 2, 64, kernel_device, num_splits=16) if with_workspace else None
+    out = torch.full_like(query, float("nan"))
+    paged_attention(query, cache, block_table, seq_lens, query_start_loc, 1, SOFTMAX_SCALE, KIVI, out,
+                    workspace=workspace, new_keys=batch.key, staged_keys=pool.staged_keys, sequence_slots=slots)
+    assert_matches_rule(out[:n], expected, "padded batch")
+
+
+def test_a_broken_value_poisons_only_the_queries_that_see_it(gen, kernel_device):
+    """A NaN value in a chunk from 0 and in one over a cached prefix spanning a block edge: exactly the queries at or
+    after it are NaN (the oracle slices what each query sees), the others follow the rule."""
+    batch, cache, pool = stored_step(gen, [(0, 70), (100, 40)], 64, kernel_device, poison={0: 30, 1: 120})
+    out = attend(batch, cache, pool)
+    expected = batch_rule_attention(batch, SOFTMAX_SCALE, KIVI)
+    assert_poisoned_rows(out.cpu(), expected, "int4_kivi")
+    finite = ~torch.isnan(expected).any(-1)
+    torch.testing.assert_close(out.cpu().double()[finite], expected[finite], rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
@@ -96,9 +151,9 @@ def test_new_keys_not_the_cache_codes_decide_the_own_block(gen, kernel_device):
     assert moved.tolist() == [False] * 39 + [True, False]
 
 
-@pytest.mark.parametrize("scheme", [Int4Scheme("int4_saw", 64), Int4Scheme("int4_saw", 64, rotate_values=True)],
-                         ids=["saw64", "saw64-rotv"])
-def test_int4_saw_reads_every_key_from_the_cache(gen, kernel_device, scheme):
+def test_int4_saw_reads_every_key_from_the_cache(gen, kernel_device):
+    """new_keys is ignored: keys and (rotated) values from the cache (test_attention_kernel.py has the rest)."""
+    scheme = Int4Scheme("int4_saw", 64, rotate_values=True)
     batch, cache, _ = stored_step(gen, CHUNKS, 64, kernel_device, scheme=scheme)
     expected = batch_rule_attention(batch, SOFTMAX_SCALE, scheme)
     assert_matches_rule(attend(batch, cache, None, scheme=scheme, new_keys=None), expected, scheme.name)
