@@ -54,7 +54,7 @@ def _gather_dense_kernel(
     tile = tl.program_id(1)
     head = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if tile * TILE < seq_len:
+    if tile * TILE // BLOCK_SIZE * BLOCK_SIZE < seq_len:  # every tile of the sequence's pages, its last one's too
         pos = tile * TILE + tl.arange(0, TILE)
         written = pos < seq_len
         ch = tl.arange(0, HALF)
@@ -159,7 +159,7 @@ def gather_dense_kv(kv_cache, block_table, seq_lens, cu_pages, max_seq_len: int,
     if num_seqs == 0 or max_seq_len == 0:
         return
     tile = tile_tokens(block_size, TILE)
-    grid = (num_seqs, triton.cdiv(max_seq_len, tile), num_kv_heads)
+    grid = (num_seqs, triton.cdiv(max_seq_len, block_size) * block_size // tile, num_kv_heads)
     _gather_dense_kernel[grid](
         kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, cu_pages, dense_k, dense_v,
         dense_k.stride(0), dense_k.stride(1), dense_k.stride(2), block_table.stride(0), kv_cache.stride(0),

@@ -6,12 +6,15 @@ own_block_oracle.py. Needs CUDA and vLLM's FA (the device jobs: tools/device/own
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 from kv_batches import relative_error
 from own_block_oracle import B, KIVI, batch_rule_attention, stored_step
 
-from s4kv.kernels.attention import SplitWorkspace, paged_attention
+from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, SUBNORMAL_HEAD_DIMS, SplitWorkspace, paged_attention
 from s4kv.kernels.prefill_plan import plan_prefill_passes
 from s4kv.kernels.scheme import Int4Scheme
 
@@ -41,17 +44,30 @@ def _cases():
             if SCHEMES[name].hadamard_block is None or shape[2] % SCHEMES[name].hadamard_block == 0]
 
 
+@functools.cache
+def decode_case(name, shape):
+    """The decode batch of a (scheme, shape), its stored cache and pool, and the oracle's output: made once for
+    every code path."""
+    num_q, num_kv, head_dim = shape
+    batch, cache, pool = bf16_step(DECODE, num_q, num_kv, head_dim, SCHEMES[name], 7)
+    return batch, cache, pool, batch_rule_attention(batch, SOFTMAX_SCALE, SCHEMES[name])
+
+
+@pytest.mark.parametrize("codes", list(CODE_PATHS))
 @pytest.mark.parametrize("name,shape", _cases())
-def test_decode_follows_the_rule(name, shape):
+def test_decode_follows_the_rule(name, shape, codes):
+    """Every code path (attention.CODE_PATHS) of the scheme's decode launch, split-KV as the backend sizes it."""
     num_q, num_kv, head_dim = shape
     scheme = SCHEMES[name]
-    batch, cache, pool = bf16_step(DECODE, num_q, num_kv, head_dim, scheme, 7)
+    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[codes])
+    if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
+        pytest.skip("the subnormal codes are refused at this head_dim (test_attention_kernel.py)")
+    batch, cache, pool, expected = decode_case(name, shape)
     workspace = SplitWorkspace.allocate(num_q, num_kv, head_dim, "cuda", scheme.name, max_num_seqs=len(DECODE))
     out = torch.full_like(batch.query, float("nan"))
     pool_args = {} if pool is None else dict(staged_keys=pool.staged_keys, sequence_slots=pool.sequence_slots)
     paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 1, SOFTMAX_SCALE,
-                    scheme, out, workspace=workspace, new_keys=batch.key, **pool_args)
-    expected = batch_rule_attention(batch, SOFTMAX_SCALE, scheme)
+                    scheme, out, workspace=workspace, launch=launch, new_keys=batch.key, **pool_args)
     assert not torch.isnan(out).any()
     assert relative_error(out.cpu(), expected) < 1e-2
 
