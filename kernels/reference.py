@@ -97,13 +97,16 @@ class PageViews:
 # ---------------------------------------------------------------------------------------------------------------
 # store
 # ---------------------------------------------------------------------------------------------------------------
-def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme, staged_keys=None, staging_slots=None) -> None:
+def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme, staged_keys=None, staging_slots=None,
+             stage: bool = True) -> None:
     """Quantize key/value [T, Hkv, D] into their slots; slot < 0 marks padding and is skipped.
 
     int4_kivi with ``staged_keys`` (the layer's staging pool, kernels/staging.py) and ``staging_slots`` (per token,
     the pool slot of its block): every block whose last slot this batch writes is closed per channel from its
     original keys, the earlier ones read back from the pool, and the keys of blocks still open afterwards are
-    copied into it. Without a pool, a block filled over several batches closes flagged, keeping its staged keys.
+    copied into it (``stage``; the engine passes False and calls stage_open_keys after attention, which still reads
+    the earlier keys of the block a step starts in from the slot that block's successor is staged into). Without a
+    pool, a block filled over several batches closes flagged, keeping its staged keys.
     """
     head_dim = key.shape[-1]
     pages = PageViews(kv_cache, head_dim)
@@ -143,11 +146,21 @@ def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme, staged_keys
         if staged:
             originals = torch.where(fresh[:, None, None], originals, staged_keys[staging_slots[i]].transpose(0, 1))
         _write_per_channel(pages, int(slots[i]) // bsz, originals)
+    if stage:
+        stage_open_keys(key, slot_mapping, staged_keys, staging_slots)
+
+
+def stage_open_keys(key, slot_mapping, staged_keys, staging_slots) -> None:
+    """Copy the original keys of the tokens whose block stays open after this batch into their staging slot."""
+    bsz = staged_keys.shape[2]
+    check_staging(staged_keys, staging_slots, key, bsz)
+    slots = slot_mapping.long()
+    live = (slots >= 0).nonzero().squeeze(1)
     stays_open = live[~closes_in_batch(slots, live, bsz)]
-    if (staging_slots[stays_open] < 0).any():
+    pool_slots = staging_slots.long()[stays_open]
+    if (pool_slots < 0).any():
         raise ValueError("a token of a block that stays open has no staging slot")
-    o = slots[stays_open] % bsz
-    staged_keys[staging_slots[stays_open], :, o] = key[stays_open].to(staged_keys.dtype)
+    staged_keys[pool_slots, :, slots[stays_open] % bsz] = key[stays_open].to(staged_keys.dtype)
 
 
 def closing_rows(slots: torch.Tensor, bsz: int) -> torch.Tensor:

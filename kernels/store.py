@@ -147,11 +147,11 @@ def _kivi_stage_kernel(
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              scheme: Int4Scheme, staged_keys: torch.Tensor | None = None,
-             staging_slots: torch.Tensor | None = None) -> None:
+             staging_slots: torch.Tensor | None = None, stage: bool = True) -> None:
     """Quantize key/value [T, Hkv, D] (fp16/bf16, any token/head strides) into kv_cache at slot_mapping.
 
-    int4_kivi's staging pool ``staged_keys`` [slots, Hkv, 128, D] (model dtype, contiguous) and ``staging_slots``
-    [>= T] (the pool slot of each token's block, -1 for none) as in reference.store_kv."""
+    int4_kivi's staging pool ``staged_keys`` [slots, Hkv, 128, D] (model dtype, contiguous), ``staging_slots``
+    [>= T] (the pool slot of each token's block, -1 for none) and ``stage`` as in reference.store_kv."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError(f"key/value must be [T, Hkv, head_dim] with contiguous channels, got {tuple(key.shape)} "
@@ -192,9 +192,21 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         key.stride(0), key.stride(1), kv_cache.stride(0), kv_cache.stride(1), pool.stride(0), pool.stride(1),
         K_PARAMS_OFFSET=layout.k_params, BLOCK_SIZE=block_size, HALF=layout.half_dim, STAGED=staged, num_warps=8,
     )
-    if staged:
-        _kivi_stage_kernel[grid](
-            key, slot_mapping, staged_keys, staging_slots, num_tokens,
-            key.stride(0), key.stride(1), staged_keys.stride(0), staged_keys.stride(1),
-            BLOCK_SIZE=block_size, HALF=layout.half_dim, TOKENS=TOKENS_PER_PROGRAM,
-        )
+    if staged and stage:
+        stage_open_keys(key, slot_mapping, staged_keys, staging_slots)
+
+
+def stage_open_keys(key: torch.Tensor, slot_mapping: torch.Tensor, staged_keys: torch.Tensor,
+                    staging_slots: torch.Tensor) -> None:
+    """Copy the original keys of the tokens whose block stays open after this batch into their staging slot
+    (reference.stage_open_keys)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    check_staging(staged_keys, staging_slots, key, staged_keys.shape[2])
+    if num_tokens == 0:
+        return
+    grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)
+    _kivi_stage_kernel[grid](
+        key, slot_mapping, staged_keys, staging_slots, num_tokens,
+        key.stride(0), key.stride(1), staged_keys.stride(0), staged_keys.stride(1),
+        BLOCK_SIZE=staged_keys.shape[2], HALF=head_dim // 2, TOKENS=TOKENS_PER_PROGRAM,
+    )

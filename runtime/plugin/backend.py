@@ -316,9 +316,10 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
 
     def _load_kernels(self) -> None:
         from s4kv.kernels.attention import paged_attention
-        from s4kv.kernels.store import store_kv
+        from s4kv.kernels.store import stage_open_keys, store_kv
 
         self._store_kv = store_kv
+        self._stage_open_keys = stage_open_keys
         self._paged_attention = paged_attention
 
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -332,7 +333,7 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         if metadata is None:  # a profiling run: every slot is -1, nothing is stored
             return
         self._store_kv(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping, self.scheme, self.staged_keys,
-                       metadata.staging_slots)
+                       metadata.staging_slots, stage=False)  # staged after attention (forward)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: S4KVMetadata | None, output: torch.Tensor,
@@ -342,12 +343,20 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
             raise NotImplementedError("S4 KV attention does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
-        m = attn_metadata
+        self._attend(query, key, value, kv_cache, attn_metadata, output)
+        if self.staged_keys is not None:
+            # after attention: a step that closes the block it starts in and ends inside the next one re-keys the
+            # slot, and attention still reads the first block's earlier keys from it
+            n = attn_metadata.slot_mapping.shape[0]
+            self._stage_open_keys(key[:n], attn_metadata.slot_mapping, self.staged_keys, attn_metadata.staging_slots)
+        return output
+
+    def _attend(self, query, key, value, kv_cache, m: S4KVMetadata, output) -> None:
         if m.prefill is None:
             self._paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.max_query_len,
                                   self.scale, self.scheme, output, workspace=m.workspace,
                                   **self._pool_read(m, slice(None), key))
-            return output
+            return
         p = m.prefill
         nd, ndt = p.num_decodes, p.num_decode_tokens
         if nd:
@@ -355,7 +364,6 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
                                   m.query_start_loc[: nd + 1], p.decode_max_query_len, self.scale, self.scheme,
                                   output[:ndt], workspace=m.workspace, **self._pool_read(m, slice(None, nd), key))
         self._prefill_with_flash_attention(query, key, kv_cache, m, output)
-        return output
 
     def _pool_read(self, m: S4KVMetadata, rows: slice, key: torch.Tensor) -> dict[str, Any]:
         """int4_kivi: what attention reads each query's own block from (docs/kernel-api.md): this step's keys

@@ -49,6 +49,7 @@ class S4KVCpuMetadataBuilder(S4KVMetadataBuilder):
 class S4KVCpuAttentionImpl(S4KVAttentionImpl):
     def _load_kernels(self) -> None:
         self._store_kv = reference.store_kv
+        self._stage_open_keys = reference.stage_open_keys
         self._paged_attention = _reference_attention
 
 

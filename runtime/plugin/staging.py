@@ -1,11 +1,12 @@
 """int4_kivi's staging pool in the engine: which pool slot holds the original keys of each sequence's open block,
 step by step, and when a slot is given back (docs/format.md, "The staging pool").
 
-* ``SlotAssignment`` (plain Python, no vLLM): slots keyed by the physical block id of an open block. Per step, for a
+* ``SlotAssignment`` (numpy, no vLLM): slots keyed by the physical block id of an open block. Per step, for a
   sequence with context ``c`` and ``q`` new tokens, its open block ``c // 128`` keeps the slot recorded for it (when
   ``c % 128 != 0``), a sequence starting a block takes a free slot if the step ends inside a block, and the slot is
-  re-keyed to the block the step ends in, or released when the step ends on a block boundary (the block closed).
-  A block written from offset 0 drops any slot still recorded for its id (vLLM freed and reallocated it).
+  re-keyed to the block the step ends in, or released when the step ends on a block boundary (the block closed),
+  free for other blocks from the next step on. A block written from offset 0 drops any slot still recorded for its
+  id (vLLM freed and reallocated it).
 * ``StagingBuffers``: the builder's persistent ``staging_slots`` (per token) and ``sequence_slots`` (per sequence)
   device buffers, fixed addresses that full CUDA-graph replays read like the slot mapping.
 * ``install_step_hook``: vLLM 0.26 tells only the model runner which requests finished or were preempted
@@ -44,12 +45,13 @@ class SlotAssignment:
         self.num_slots = num_slots
         self.block_size = block_size
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: the lowest slot is taken first
-        self._slot_of_block: dict[int, int] = {}
+        self._slot_of_block = np.full(0, NO_SLOT, dtype=np.int32)  # indexed by physical block id
 
     @property
     def held(self) -> dict[int, int]:
         """block id -> slot, for every open block that holds a slot."""
-        return dict(self._slot_of_block)
+        blocks = np.flatnonzero(self._slot_of_block >= 0)
+        return {int(b): int(self._slot_of_block[b]) for b in blocks}
 
     @property
     def num_free(self) -> int:
@@ -57,52 +59,70 @@ class SlotAssignment:
 
     def release_blocks(self, block_ids: Iterable[int]) -> None:
         """Give back the slots recorded for these block ids (a finished or preempted request's blocks)."""
-        for block in block_ids:
-            slot = self._slot_of_block.pop(int(block), None)
-            if slot is not None:
-                self._free.append(slot)
+        self._release(np.fromiter((int(b) for b in block_ids), dtype=np.int64))
 
-    def assign(self, context_lens: np.ndarray, query_lens: np.ndarray,
-               block_table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One step. Returns ``step_slots`` [num_seqs] (the slot every token of sequence ``i`` carries this step:
-        its open block's, which the store's close reads and its stage writes; -1 for none) and ``sequence_slots``
-        [num_seqs] (the slot of the block the sequence ends in after the step; -1 where that block closed)."""
+    def assign(self, context_lens: np.ndarray, query_lens: np.ndarray, block_table: np.ndarray) -> np.ndarray:
+        """One step. Returns the slot every token of sequence ``i`` carries this step [num_seqs]: the slot of the
+        block the step starts in when that block began earlier (the store's close reads its earlier keys there and
+        attention reads them as the block's originals), else a new slot when the step ends inside a block, else -1.
+        The slot is re-keyed to the block the step ends in; a slot whose block closes in this step is free from the
+        next step on, so no other block is staged into it while this step still reads it."""
         bsz = self.block_size
-        num_seqs = len(query_lens)
-        step_slots = np.full(num_seqs, NO_SLOT, dtype=np.int32)
-        sequence_slots = np.full(num_seqs, NO_SLOT, dtype=np.int32)
-        for i in range(num_seqs):
-            c, q = int(context_lens[i]), int(query_lens[i])
-            if q <= 0:
-                continue  # a padding row
-            end = c + q
-            slot = None
-            if c % bsz:
-                block = int(block_table[i, c // bsz])
-                slot = self._slot_of_block.pop(block, None)
-                if slot is None:
-                    raise StagingAssignmentError(
-                        f"sequence {i} continues block {block} at offset {c % bsz}, but the staging pool holds no "
-                        "keys for it (a block begun outside this engine's steps cannot close per channel)")
-            # blocks this step writes from offset 0 were freed and reallocated if a slot is still recorded for them
-            self.release_blocks(int(block_table[i, j]) for j in range(-(-c // bsz), -(-end // bsz)))
-            if end % bsz:
-                if slot is None:
-                    slot = self._take(i)
-                self._slot_of_block[int(block_table[i, end // bsz])] = slot
-                sequence_slots[i] = slot
-            step_slots[i] = NO_SLOT if slot is None else slot
-            if slot is not None and end % bsz == 0:
-                self._free.append(slot)  # the block closes in this step: its slot is free for the next one
-        return step_slots, sequence_slots
+        c = np.asarray(context_lens, dtype=np.int64)
+        q = np.asarray(query_lens, dtype=np.int64)
+        table = np.asarray(block_table)
+        slots = np.full(len(q), NO_SLOT, dtype=np.int32)
+        seqs = np.flatnonzero(q > 0)  # the rest are padding rows
+        end = c[seqs] + q[seqs]
+        self._grow(int(table[seqs].max()) + 1 if seqs.size else 0)
 
-    def _take(self, seq: int) -> int:
-        if not self._free:
+        cont = seqs[c[seqs] % bsz != 0]
+        cont_blocks = table[cont, c[cont] // bsz]
+        slots[cont] = self._slot_of_block[cont_blocks]
+        missing = cont[slots[cont] < 0]
+        if missing.size:
+            i = int(missing[0])
+            raise StagingAssignmentError(
+                f"sequence {i} continues block {int(table[i, c[i] // bsz])} at offset {int(c[i] % bsz)}, but the "
+                "staging pool holds no keys for it (a block begun outside this engine's steps cannot close per "
+                "channel)")
+        # blocks this step writes from offset 0 were freed and reallocated by vLLM if a slot is still recorded for them
+        first = -(-c[seqs] // bsz)
+        count = -(-end // bsz) - first
+        rows = np.repeat(seqs, count)
+        cols = np.repeat(first - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
+        reallocated = table[rows, cols]
+        ends_open = end % bsz != 0
+        opens = seqs[ends_open]
+        new = opens[slots[opens] < 0]
+        available = len(self._free) + int((self._slot_of_block[reallocated] >= 0).sum())
+        if new.size > available:
             raise StagingPoolExhausted(
-                f"int4_kivi's staging pool has no free slot for sequence {seq}: all {self.num_slots} slots are held "
-                f"by open blocks ({len(self._slot_of_block)} recorded), so a finished or preempted request's slot "
-                "was not released")
-        return self._free.pop()
+                f"int4_kivi's staging pool has no free slot for sequence {int(new[available])}: all {self.num_slots} "
+                f"slots are held by open blocks ({int((self._slot_of_block >= 0).sum())} recorded), so a finished or "
+                "preempted request's slot was not released")
+
+        self._slot_of_block[cont_blocks] = NO_SLOT
+        self._release(reallocated)
+        taken = self._free[len(self._free) - new.size:][::-1]
+        del self._free[len(self._free) - new.size:]
+        slots[new] = taken
+        self._slot_of_block[table[opens, end[ends_open] // bsz]] = slots[opens]
+        closing = seqs[~ends_open]
+        self._free.extend(int(s) for s in slots[closing] if s >= 0)
+        return slots
+
+    def _grow(self, num_blocks: int) -> None:
+        if num_blocks > self._slot_of_block.shape[0]:
+            grown = np.full(max(num_blocks, 2 * self._slot_of_block.shape[0]), NO_SLOT, dtype=np.int32)
+            grown[: self._slot_of_block.shape[0]] = self._slot_of_block
+            self._slot_of_block = grown
+
+    def _release(self, blocks: np.ndarray) -> None:
+        blocks = blocks[blocks < self._slot_of_block.shape[0]]
+        held = self._slot_of_block[blocks]
+        self._free.extend(int(s) for s in held[held >= 0])
+        self._slot_of_block[blocks] = NO_SLOT
 
 
 class StagingBuffers:
@@ -140,10 +160,10 @@ class StagingBuffers:
             starts = query_start_loc_cpu[: num_seqs + 1].numpy()
             query_lens = np.diff(starts)
             context_lens = seq_lens_cpu[:num_seqs].numpy() - query_lens
-            step_slots, sequence_slots = self.slots.assign(context_lens, query_lens, block_table[:num_seqs])
+            step_slots = self.slots.assign(context_lens, query_lens, block_table[:num_seqs])
             used = int(starts[-1])
             token_host[:used] = np.repeat(step_slots, query_lens)
-            seq_host[:num_seqs] = sequence_slots
+            seq_host[:num_seqs] = step_slots
         self.staging_slots[:num_tokens].copy_(self._token_host[:num_tokens], non_blocking=True)
         self.sequence_slots[:num_seqs].copy_(self._seq_host[:num_seqs], non_blocking=True)
         return self.staging_slots[:num_tokens], self.sequence_slots[:num_seqs]

@@ -72,23 +72,22 @@ def batch_rule_attention(batch: PagedBatch, softmax_scale: float, scheme: Int4Sc
 
 @dataclass
 class StepPool:
-    """int4_kivi's staging pool around one step: ``staged_keys`` as the step's store left it, ``sequence_slots`` (the
-    slot of the block each sequence's step starts in, -1 where it starts on a block boundary) and ``staging_slots``
-    (per row of batch.key: the start block's slot for its tokens, a second slot for the tokens of later blocks, so the
-    block the step ends in never overwrites the rows the start block's queries read)."""
+    """int4_kivi's staging pool as attention sees it in a step: ``staged_keys`` after the step's store, which closes
+    blocks but stages nothing yet (the engine stages after attention: store_kv(stage=False)), and ``sequence_slots``
+    (runtime/plugin/staging.py: the slot of the block each sequence's step starts in, a fresh one where the step
+    starts on a block boundary; every token of the sequence carries it)."""
 
     staged_keys: torch.Tensor
     sequence_slots: torch.Tensor
-    staging_slots: torch.Tensor
 
 
 def stored_step(gen, specs, head_dim, device, num_q_heads=4, num_kv_heads=2, scheme=KIVI, kernel_store=False,
                 spare_slots=3, num_padding=3, dtype=torch.float16,
                 poison: dict[int, int] | None = None) -> tuple[PagedBatch, torch.Tensor, StepPool | None]:
-    """A batch of ``specs`` [(context, q_len)], a poisoned cache holding the cached prefixes (one earlier step) and
-    then the batch's own store, with int4_kivi's pool (NaN outside the rows a store wrote); shuffled pages and
-    slots. ``batch.key`` rows past the step are NaN (CUDA-graph padding). ``poison`` {sequence: position}: a NaN
-    value there (kv_batches.poison_fresh_values)."""
+    """A batch of ``specs`` [(context, q_len)], a poisoned cache holding the cached prefixes (one earlier step, its
+    open blocks staged) and then the batch's own store, with int4_kivi's pool (NaN outside the rows a store staged);
+    shuffled pages and slots. ``batch.key`` rows past the step are NaN (CUDA-graph padding). ``poison`` {sequence:
+    position}: a NaN value there (kv_batches.poison_fresh_values)."""
     from s4kv.kernels.store import store_kv
 
     batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=B, dtype=dtype, device=device,
@@ -103,21 +102,14 @@ def stored_step(gen, specs, head_dim, device, num_q_heads=4, num_kv_heads=2, sch
         store(batch.key, batch.value, cache, batch.slot_mapping, scheme)
         return batch, cache, None
     n = len(specs)
-    staged_keys = torch.full((2 * n + spare_slots, num_kv_heads, B, head_dim), float("nan"), dtype=dtype,
-                             device=device)
-    order = torch.randperm(2 * n + spare_slots, generator=gen).tolist()
-    start_slots, later_slots = order[:n], order[n : 2 * n]
+    staged_keys = torch.full((n + spare_slots, num_kv_heads, B, head_dim), float("nan"), dtype=dtype, device=device)
+    slots = torch.randperm(n + spare_slots, generator=gen)[:n]
     if batch.prefix_slots.numel():
-        prefix_rows = torch.cat([torch.full((c,), s) for (c, _), s in zip(specs, start_slots)]).to(device)
+        prefix_rows = torch.cat([torch.full((c,), int(s)) for (c, _), s in zip(specs, slots)]).to(device)
         ref.store_kv(batch.prefix_key, batch.prefix_value, cache, batch.prefix_slots, scheme, staged_keys,
                      prefix_rows)
-    rows = []
-    for (c, q), s0, s1 in zip(specs, start_slots, later_slots):
-        pos = torch.arange(c, c + q)
-        rows.append(torch.where((pos // B == c // B) & torch.tensor(c % B != 0), s0, s1))
+    rows = [torch.full((q,), int(s)) for (_, q), s in zip(specs, slots)]
     rows.append(torch.full((batch.key.shape[0] - batch.num_tokens,), -1))
     staging_slots = torch.cat(rows).to(device=device, dtype=torch.int32)
-    store(batch.key, batch.value, cache, batch.slot_mapping, scheme, staged_keys, staging_slots)
-    sequence_slots = torch.tensor([s if c % B else -1 for (c, _), s in zip(specs, start_slots)], dtype=torch.int32,
-                                  device=device)
-    return batch, cache, StepPool(staged_keys, sequence_slots, staging_slots)
+    store(batch.key, batch.value, cache, batch.slot_mapping, scheme, staged_keys, staging_slots, stage=False)
+    return batch, cache, StepPool(staged_keys, slots.to(device=device, dtype=torch.int32))

@@ -33,7 +33,7 @@ from s4kv.kernels.attention import (CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, S
                                     paged_attention)
 from s4kv.kernels.dense import gather_dense_kv
 from s4kv.kernels.scheme import Int4Scheme
-from s4kv.kernels.store import store_kv
+from s4kv.kernels.store import stage_open_keys, store_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -217,19 +217,22 @@ def test_cuda_graph_replay_of_store_and_attention_matches_eager(request, scheme_
             value=batch.value[rows].contiguous(), slot_mapping=batch.slot_mapping[rows].contiguous(),
             seq_lens=seq_lens,
         ))
-        if scheme.is_kivi:  # the slot of the block the step starts in, -1 where it starts on a block boundary
-            steps[-1]["sequence_slots"] = torch.where((seq_lens - 1) % 128 != 0, store_slots, -1).int()
+        if scheme.is_kivi:  # the slot of the block the step starts in (staging.py: one per sequence here)
+            steps[-1]["sequence_slots"] = store_slots
     num_seqs = len(specs)
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
     workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda", scheme.name)
 
     def decode_step(inputs, cache, pool, out):
-        staging = {} if pool is None else dict(staged_keys=pool, staging_slots=store_slots)
+        """As the backend runs a step: the store, attention, then (int4_kivi) the open blocks' keys staged."""
+        staging = {} if pool is None else dict(staged_keys=pool, staging_slots=store_slots, stage=False)
         store_kv(inputs["key"], inputs["value"], cache, inputs["slot_mapping"], scheme, **staging)
         own_block = {} if pool is None else dict(new_keys=inputs["key"], staged_keys=pool,
                                                  sequence_slots=inputs["sequence_slots"])
         paged_attention(inputs["query"], cache, batch.block_table, inputs["seq_lens"], query_start_loc, 1,
                         head_dim**-0.5, scheme, out, workspace=workspace, **own_block)
+        if pool is not None:
+            stage_open_keys(inputs["key"], inputs["slot_mapping"], pool, store_slots)
 
     def clone(pool):
         return None if pool is None else pool.clone()
@@ -282,10 +285,9 @@ def test_kernels_address_pages_past_4_gib(request, scheme_name):
                              device="cuda")
     if scheme.is_kivi:  # with its staging pool, as the engine runs it: one copy per cache
         small, pool = cache_and_pool_with_prefix(batch, gen, "cuda")
-        staging = dict(staged_keys=pool.staged_keys, staging_slots=pool.per_token(batch))
+        staging = dict(staged_keys=pool.staged_keys, staging_slots=pool.per_token(batch), stage=False)
         big_staging = dict(staging, staged_keys=pool.staged_keys.clone())
-        starts_mid_block = torch.tensor([c % 128 != 0 for c, _ in specs], device="cuda")
-        slots = torch.where(starts_mid_block, torch.tensor(pool.store_slots, device="cuda"), -1).int()
+        slots = torch.tensor(pool.store_slots, dtype=torch.int32, device="cuda")
     else:
         small, staging, big_staging = cache_with_prefix(batch, scheme, gen, "cuda"), {}, {}
     page_bytes = small[0].numel()

@@ -26,36 +26,47 @@ def step(slots: SlotAssignment, contexts, queries, table):
 def test_prefill_then_decode_keeps_one_slot_rekeyed_to_the_open_block():
     slots = SlotAssignment(4, BSZ)
     table = [[7, 3, 9]]
-    step_slots, seq_slots = step(slots, [0], [200], table)  # closes block 7, ends inside block 3
-    assert step_slots.tolist() == [0] and seq_slots.tolist() == [0] and slots.held == {3: 0}
+    assert step(slots, [0], [200], table).tolist() == [0] and slots.held == {3: 0}  # closes 7, ends inside 3
     for c in range(200, 255):  # decode inside block 3
-        step_slots, seq_slots = step(slots, [c], [1], table)
-        assert step_slots.tolist() == [0] and seq_slots.tolist() == [0] and slots.held == {3: 0}
-    step_slots, seq_slots = step(slots, [255], [1], table)  # writes block 3's last slot: closes, slot released
-    assert step_slots.tolist() == [0] and seq_slots.tolist() == [NO_SLOT] and slots.held == {}
+        assert step(slots, [c], [1], table).tolist() == [0] and slots.held == {3: 0}
+    # writes block 3's last slot: the step still carries the slot (attention reads the block's earlier keys from
+    # it), and it is free from the next step on
+    assert step(slots, [255], [1], table).tolist() == [0] and slots.held == {}
     assert slots.num_free == 4
-    step_slots, seq_slots = step(slots, [256], [1], table)  # the first token of block 9 takes a slot again
-    assert seq_slots.tolist() == [step_slots[0]] and slots.held == {9: step_slots[0]}
+    step_slots = step(slots, [256], [1], table)  # the first token of block 9 takes a slot again
+    assert slots.held == {9: step_slots[0]}
 
 
 def test_a_chunk_that_closes_and_opens_reuses_its_slot_and_aligned_steps_take_none():
     slots = SlotAssignment(2, BSZ)
     table = [[5, 6, 8, 2]]
     step(slots, [0], [100], table)
-    step_slots, seq_slots = step(slots, [100], [250], table)  # closes 5 (staged rows in the slot), 6, opens 8
-    assert step_slots.tolist() == [0] and seq_slots.tolist() == [0] and slots.held == {8: 0}
+    step_slots = step(slots, [100], [250], table)  # closes 5 (staged rows in the slot), 6, opens 8
+    assert step_slots.tolist() == [0] and slots.held == {8: 0}
     slots = SlotAssignment(2, BSZ)
-    step_slots, seq_slots = step(slots, [0], [256], table)  # two whole blocks in one step: no slot at all
-    assert step_slots.tolist() == [NO_SLOT] and seq_slots.tolist() == [NO_SLOT] and slots.num_free == 2
+    step_slots = step(slots, [0], [256], table)  # two whole blocks in one step: no slot at all
+    assert step_slots.tolist() == [NO_SLOT] and slots.num_free == 2
 
 
 def test_a_slot_freed_by_a_close_serves_another_sequence_from_the_next_step():
     slots = SlotAssignment(1, BSZ)
     step(slots, [0], [127], [[4]])
-    step_slots, seq_slots = step(slots, [127, 0], [1, 0], [[4], [0]])  # sequence 0 closes its block
-    assert step_slots.tolist() == [0, NO_SLOT] and seq_slots.tolist() == [NO_SLOT, NO_SLOT]
-    step_slots, _ = step(slots, [128, 0], [0, 10], [[4, 1], [6, 0]])  # sequence 1 starts: the one slot is free
+    step_slots = step(slots, [127, 0], [1, 0], [[4], [0]])  # sequence 0 closes its block
+    assert step_slots.tolist() == [0, NO_SLOT]
+    step_slots = step(slots, [128, 0], [0, 10], [[4, 1], [6, 0]])  # sequence 1 starts: the one slot is free
     assert step_slots.tolist() == [NO_SLOT, 0] and slots.held == {6: 0}
+
+
+def test_a_slot_freed_by_a_close_is_not_taken_in_the_same_step():
+    slots = SlotAssignment(2, BSZ)
+    step(slots, [0, 0], [127, 5], [[4], [7]])
+    slots.release_blocks([7])  # sequence 1 finished: one slot free besides sequence 0's
+    # sequence 0 closes block 4 while two new sequences start a block each: its slot is still read this step
+    with pytest.raises(StagingPoolExhausted, match="no free slot for sequence 2"):
+        step(slots, [127, 0, 0], [1, 3, 3], [[4], [8], [9]])
+    slots = SlotAssignment(2, BSZ)
+    step(slots, [0], [127], [[4]])
+    assert step(slots, [127, 0], [1, 3], [[4], [8]]).tolist() == [0, 1]
 
 
 def test_finished_and_preempted_blocks_give_their_slots_back():
@@ -66,15 +77,14 @@ def test_finished_and_preempted_blocks_give_their_slots_back():
         step(slots, [10, 20, 0], [1, 1, 5], [[3], [4], [5]])
     slots.release_blocks([4, 99])  # sequence 1 finished (and an id that holds no slot)
     assert slots.held == {3: 0}
-    step_slots, _ = step(slots, [10, 0], [1, 5], [[3], [5]])
-    assert step_slots.tolist() == [0, 1]
+    assert step(slots, [10, 0], [1, 5], [[3], [5]]).tolist() == [0, 1]
 
 
 def test_a_block_written_from_offset_0_again_drops_its_stale_slot():
     slots = SlotAssignment(2, BSZ)
     step(slots, [0], [50], [[12]])  # block 12 open with slot 0; its request then vanishes unreleased
-    step_slots, seq_slots = step(slots, [0], [300], [[30, 12, 13]])  # another request writes 12 from offset 0
-    assert slots.held == {13: seq_slots[0]} and slots.num_free == 1
+    step_slots = step(slots, [0], [300], [[30, 12, 13]])  # another request writes 12 from offset 0
+    assert slots.held == {13: step_slots[0]} and slots.num_free == 1
 
 
 def test_continuing_a_block_without_a_slot_fails_loudly():
@@ -151,8 +161,8 @@ def test_the_assigned_slots_make_pages_a_function_of_their_keys():
                 slots.release_blocks(tables[1])
                 continue
             table = np.array([tables[s] for s, _, _ in entries])
-            step_slots, _ = slots.assign(np.array([c for _, c, _ in entries]), np.array([q for _, _, q in entries]),
-                                         table)
+            step_slots = slots.assign(np.array([c for _, c, _ in entries]), np.array([q for _, _, q in entries]),
+                                      table)
             key = torch.cat([keys[s][c:c + q] for s, c, q in entries])
             value = torch.cat([values[s][c:c + q] for s, c, q in entries])
             mapping = torch.cat([torch.tensor([tables[s][p // BSZ] * BSZ + p % BSZ for p in range(c, c + q)])
@@ -167,3 +177,31 @@ def test_the_assigned_slots_make_pages_a_function_of_their_keys():
     pressured = run(chunks, {0: [9, 10, 11], 1: [14, 12, 13]})
     for s, (a, b) in enumerate([([0, 1], [9, 10]), ([3, 4], [14, 12])]):
         assert torch.equal(one_batch[a], pressured[b]), f"sequence {s}: closed pages differ"
+
+
+def test_staging_after_the_store_equals_the_store_that_stages():
+    """The engine stores with stage=False and stages after attention: the same cache and pool as one staging store,
+    and the unstaged store leaves the pool alone (attention still reads the block the step starts in there)."""
+    torch.manual_seed(1)
+    scheme, heads, dim = Int4Scheme("int4_kivi"), 2, 64
+    key, value = (torch.randn(300, heads, dim, dtype=torch.float16) for _ in range(2))
+    table = np.array([[3, 1, 5]])
+    results = []
+    for split in (True, False):
+        slots = SlotAssignment(2, BSZ)
+        cache = torch.randint(0, 256, cache_shape(8, heads, BSZ, dim), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(2))
+        pool = allocate_pool(2, heads, BSZ, dim, torch.float16, "cpu").fill_(float("nan"))
+        for c, q in ((0, 100), (100, 150), (250, 1)):  # ends inside block 3, then closes it and ends inside 1, ...
+            step_slots = slots.assign(np.array([c]), np.array([q]), table)
+            mapping = torch.tensor([int(table[0, p // BSZ]) * BSZ + p % BSZ for p in range(c, c + q)])
+            staging = torch.from_numpy(np.repeat(step_slots, [q]))
+            if split:
+                before = pool.clone()
+                ref.store_kv(key[c:c + q], value[c:c + q], cache, mapping, scheme, pool, staging, stage=False)
+                assert torch.equal(pool.isnan(), before.isnan()) and torch.equal(pool.nan_to_num(), before.nan_to_num())
+                ref.stage_open_keys(key[c:c + q], mapping, pool, staging)
+            else:
+                ref.store_kv(key[c:c + q], value[c:c + q], cache, mapping, scheme, pool, staging)
+        results.append((cache, pool.nan_to_num(7.0)))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
