@@ -10,10 +10,14 @@ CPU engine. Semantics (shared with the Triton kernels in store.py and attention.
 * int4_saw: keys (and values if ``rotate_values``) are quantized per token after ``x @ R``, ``R`` the
   block-diagonal Hadamard; attention un-rotates implicitly (R is orthonormal);
 * int4_kivi: values per token, unrotated. Keys of an open (partially filled) block are staged per token after
-  the full-head rotation. When a block's last slot is written in a batch that holds all 128 of its original keys
-  (a prefill), they are quantized per channel. Otherwise (a block filled over several steps) the staged keys stay
-  as they are, marked by the sign bit of token 0's key scale (``staged_flags``): re-quantizing them per channel
-  would quantize them twice.
+  the full-head rotation. With the staging pool (kernels/staging.py) every block is quantized per channel from its
+  128 original keys when its last slot is written. Without it (a store of its own, no engine), a block whose last
+  slot is written in a batch holding all 128 of its keys is quantized per channel; a block filled over several
+  batches keeps its staged keys, marked by the sign bit of token 0's key scale (``staged_flags``);
+* attention (the read rule, docs/format.md): values and int4_saw keys are dequantized from the cache as stored,
+  for every key including the step's own. int4_kivi keys of blocks before the query's own block are read per
+  channel from the cache; keys of the query's own block are the original keys: the step's own ``new_keys`` for
+  its tokens, the staging pool's row for the block's tokens written by earlier steps.
 """
 
 from __future__ import annotations
@@ -254,13 +258,18 @@ def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Sch
 
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, scheme: Int4Scheme,
-                    staged_keys=None, sequence_slots=None):
-    """Causal attention of query [T, Hq, D] over the paged int4 cache; returns float32 [T, Hq, D].
+                    staged_keys=None, sequence_slots=None, new_keys=None):
+    """Causal attention of query [T, Hq, D] over the paged int4 cache, after the step's store; returns float32
+    [T, Hq, D].
 
-    int4_kivi with its staging pool: ``staged_keys`` [slots, Hkv, 128, D] and ``sequence_slots`` [num_seqs] (the
-    pool slot of each sequence's open block, -1 for a sequence whose last block is full); the open blocks' keys are
-    read from the pool (dequantize_sequence)."""
+    int4_kivi needs the step's keys ``new_keys`` [>= T, Hkv, D] (the rows the store got) and its staging pool:
+    ``staged_keys`` [slots, Hkv, 128, D] and ``sequence_slots`` int32 [num_seqs], the pool slot of the block each
+    sequence's step starts in (read only where the step starts inside a block, -1 for none). A query sees the keys
+    of its own block as the originals, every earlier block per channel from the cache (the module docstring); one
+    that needs a pool row of a sequence without a slot gets NaN."""
     check_pool_read(staged_keys, sequence_slots, seq_lens.shape[0], kv_cache.shape[1], query.shape[-1], scheme)
+    if scheme.is_kivi:
+        check_kivi_read(new_keys, staged_keys, query, kv_cache.shape[1])
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     num_kv_heads = kv_cache.shape[1]
     group = query.shape[1] // num_kv_heads
@@ -270,16 +279,45 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sof
         q_len = q.shape[0]
         if q_len == 0:
             continue
-        slot = -1 if sequence_slots is None else int(sequence_slots[i])
-        k, v = dequantize_sequence(kv_cache, block_table[i], seq_len, scheme, query.shape[-1], staged_keys, slot)
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        causal = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        k, v = dequantize_sequence(kv_cache, block_table[i], seq_len, scheme, query.shape[-1])
+        scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(group, dim=1)) * softmax_scale
+        chunk_start = seq_len - q_len
+        q_pos = torch.arange(chunk_start, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        if scheme.is_kivi:
+            # the own-block keys from the first block the step touches on; a query takes them only in its own block
+            own_start = chunk_start // KIVI_BLOCK_SIZE * KIVI_BLOCK_SIZE
+            own = own_block_keys(new_keys[starts[i] : starts[i + 1]], staged_keys, int(sequence_slots[i]),
+                                 chunk_start)
+            own_scores = torch.einsum("qhd,khd->hqk", q, own.repeat_interleave(group, dim=1)) * softmax_scale
+            same_block = k_pos[None, own_start:] // KIVI_BLOCK_SIZE == q_pos[:, None] // KIVI_BLOCK_SIZE
+            scores[..., own_start:] = torch.where(same_block, own_scores, scores[..., own_start:])
+        causal = k_pos[None, :] <= q_pos[:, None]
         scores = scores.masked_fill(~causal, float("-inf"))
-        out[starts[i] : starts[i + 1]] = weighted_values(scores.softmax(-1), v, causal)
+        out[starts[i] : starts[i + 1]] = weighted_values(scores.softmax(-1), v.repeat_interleave(group, dim=1), causal)
     return out
+
+
+def own_block_keys(step_keys: torch.Tensor, staged_keys: torch.Tensor, slot: int, chunk_start: int) -> torch.Tensor:
+    """int4_kivi's original keys [chunk_start // 128 * 128 .. seq_len), float32: the rows of the block the step
+    starts in that earlier steps wrote, from pool slot ``slot`` (NaN without a slot), then the step's own keys."""
+    earlier = chunk_start % KIVI_BLOCK_SIZE
+    if slot >= 0:
+        pool_rows = staged_keys[slot, :, :earlier].transpose(0, 1).float()
+    else:
+        pool_rows = torch.full((earlier, *step_keys.shape[1:]), float("nan"), device=step_keys.device)
+    return torch.cat([pool_rows, step_keys.float()])
+
+
+def check_kivi_read(new_keys, staged_keys, query: torch.Tensor, num_kv_heads: int) -> None:
+    """int4_kivi attention reads the query's own block from the original keys: the step's and the pool's."""
+    if new_keys is None or staged_keys is None:
+        raise ValueError("int4_kivi attention needs the step's keys (new_keys) and the staging pool (staged_keys, "
+                         "sequence_slots): a query reads its own block's original keys")
+    expected = (num_kv_heads, query.shape[-1])
+    if new_keys.dim() != 3 or tuple(new_keys.shape[1:]) != expected or new_keys.shape[0] < query.shape[0]:
+        raise ValueError(f"new_keys must be [>= {query.shape[0]} tokens, {expected[0]}, {expected[1]}] (the step's "
+                         f"keys), got {tuple(new_keys.shape)}")
 
 
 def weighted_values(probs: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

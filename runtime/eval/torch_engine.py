@@ -6,8 +6,9 @@ format's KV cache would and hands attention what that cache gives back:
 * ``s4kv_kivi`` / ``s4kv_saw``: the S4 KV torch reference (``s4kv.kernels.reference``): each sequence and layer
   owns a paged int4 cache; new tokens are written with ``store_kv`` and attention reads ``dequantize_sequence``;
   int4_kivi with a staging pool (kernels/staging.py), one slot per sequence: every closed block per channel from
-  its original keys, the open block's keys read from the pool (per query position: the transform hands attention
-  both key sets and a mask, open_block_visibility);
+  its original keys; attention reads as the engine does (docs/format.md, the read rule): a query sees the blocks
+  before its own per channel and its own block's original keys (the transform hands attention both key sets and
+  a mask, own_block_visibility);
 * ``bf16_fa3``: K/V rounded to bf16 (what a bf16 cache holds); the reference of the comparison;
 * ``fp8_fa3``: K/V cast to fp8 e4m3 with scale 1 (saturating), as vLLM's fp8 cache without checkpoint scales;
 * ``vllm_int4``: an emulation of vLLM's int4_per_token_head: a head-wide Hadamard with fixed random signs, then
@@ -84,7 +85,6 @@ class PagedInt4Cache:
                 self.pools[layer_idx] = allocate_pool(batch, num_kv_heads, BLOCK_SIZE, head_dim, torch.float32,
                                                       key.device)
             staging["staged_keys"] = self.pools[layer_idx]
-        pool = staging.get("staged_keys")
         for start, stop in zip(bounds, bounds[1:]):
             slots = first_slot + torch.arange(start, stop, device=key.device)  # [batch, tokens]
             if self.scheme.is_kivi:  # every token of sequence b stages into slot b
@@ -96,32 +96,29 @@ class PagedInt4Cache:
         keys, values = [], []
         for b in range(batch):
             k, v = ref.dequantize_sequence(cache, torch.arange(b * blocks, (b + 1) * blocks, device=key.device),
-                                           length, self.scheme, head_dim, pool, b)
+                                           length, self.scheme, head_dim)
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
         keys, values = torch.stack(keys), torch.stack(values)
-        if pool is None:
+        if not self.scheme.is_kivi:
             return keys, values
-        # what each new position's step read: the closed blocks as stored, its own open block's original keys (the
-        # pool's) up to itself; both key sets side by side, the mask picking one per (query, key). The pool holds
-        # keys in the served model's dtype: bf16, as the bf16_fa3 reference's cache
-        visible = open_block_visibility(bounds, length, key.device)
+        # the stored keys and the original keys side by side, the mask picking one per (query, key): the blocks
+        # before the query's own as stored (per channel), its own block's originals. The engine holds originals in
+        # the served model's dtype (the step's keys, the pool): bf16, as the bf16_fa3 reference's cache
+        visible = own_block_visibility(stored, length, key.device)
         originals = key.to(POOL_DTYPE).float()
         return torch.cat([keys, originals], 2), torch.cat([values, values], 2), visible[None, None]
 
 
-def open_block_visibility(bounds: list[int], length: int, device) -> torch.Tensor:
-    """For int4_kivi with its pool, bool [new tokens, 2 * length]: which stored keys (first half) and which original
-    keys (second half) the query at each new position sees, its tokens written by the stores ``bounds`` delimits.
-    After the store of a position's step the blocks below ``closed_end`` are closed, per channel; the keys from
-    there up to the position are the open block's, which attention reads from the pool."""
-    step_end = torch.cat([torch.full((stop - start,), stop, device=device) for start, stop in zip(bounds, bounds[1:])])
-    closed_end = step_end // BLOCK_SIZE * BLOCK_SIZE
-    position = torch.arange(bounds[0], length, device=device)[:, None]
+def own_block_visibility(start: int, length: int, device) -> torch.Tensor:
+    """For int4_kivi, bool [length - start, 2 * length]: which stored keys (first half) and which original keys
+    (second half) the query at each position from ``start`` on sees: stored keys of the blocks before its own,
+    original keys of its own block up to itself."""
+    position = torch.arange(start, length, device=device)[:, None]
     key_position = torch.arange(length, device=device)[None, :]
     causal = key_position <= position
-    stored = causal & (key_position < closed_end[:, None])
-    return torch.cat([stored, causal & ~stored], 1)
+    own = causal & (key_position // BLOCK_SIZE == position // BLOCK_SIZE)
+    return torch.cat([causal & ~own, own], 1)
 
 
 def round_to(dtype: torch.dtype) -> KVTransform:

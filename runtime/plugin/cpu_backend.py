@@ -16,7 +16,7 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from s4kv.kernels import reference
 from s4kv.kernels.scheme import Int4Scheme
 
-from .backend import S4KVAttentionBackend, S4KVAttentionImpl, S4KVMetadataBuilder
+from .backend import S4KVAttentionBackend, S4KVAttentionImpl, S4KVMetadata, S4KVMetadataBuilder
 
 
 class S4KVCpuAttentionBackend(S4KVAttentionBackend):
@@ -50,11 +50,9 @@ class S4KVCpuAttentionImpl(S4KVAttentionImpl):
     def _load_kernels(self) -> None:
         self._store_kv = reference.store_kv
         self._stage_open_keys = reference.stage_open_keys
-        self._paged_attention = _reference_attention
 
-
-def _reference_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, softmax_scale,
-                         scheme, out, workspace=None, staged_keys=None, sequence_slots=None, new_keys=None) -> None:
-    """kernels.attention.paged_attention's signature over the torch reference (which returns float32)."""
-    out.copy_(reference.paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, scheme,
-                                        staged_keys, sequence_slots))
+    def _attend(self, query, key, value, kv_cache, m: S4KVMetadata, output) -> None:
+        """Every query through the reference (which returns float32); ``key`` is the step's keys, from which
+        int4_kivi reads a query's own block (kernels/reference.py, the read rule)."""
+        output.copy_(reference.paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
+                                               self.scale, self.scheme, **self._pool_read(m, slice(None), key)))

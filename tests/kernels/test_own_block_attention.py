@@ -170,3 +170,24 @@ def test_bad_new_keys_get_clear_errors(gen, kernel_device):
         paged_attention(*args, **pool_args, new_keys=batch.key.float())
     with pytest.raises(ValueError, match=r"new_keys must be \[>= 1, 2, 64\]"):
         paged_attention(*args, **pool_args, new_keys=batch.key[:, :1])
+
+
+def test_bad_pool_arguments_get_clear_errors(gen, kernel_device):
+    batch, cache, pool = stored_step(gen, [(100, 1)], 64, kernel_device)
+    out = torch.empty_like(batch.query)
+    args = (batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 1, SOFTMAX_SCALE)
+    new_keys = {"new_keys": batch.key}
+    with pytest.raises(ValueError, match="staged_keys and sequence_slots go together, and only with int4_kivi"):
+        paged_attention(*args, KIVI, out, staged_keys=pool.staged_keys)
+    with pytest.raises(ValueError, match="staged_keys and sequence_slots go together, and only with int4_kivi"):
+        paged_attention(*args, Int4Scheme("int4_saw"), out, staged_keys=pool.staged_keys,
+                        sequence_slots=pool.sequence_slots)
+    with pytest.raises(ValueError, match=r"sequence_slots must be int32 \[1\]"):
+        paged_attention(*args, KIVI, out, staged_keys=pool.staged_keys, sequence_slots=pool.sequence_slots.long(),
+                        **new_keys)
+    with pytest.raises(ValueError, match=r"staged_keys must be \[slots, 2, 128, 64\]"):
+        paged_attention(*args, KIVI, out, staged_keys=pool.staged_keys[:, :1], sequence_slots=pool.sequence_slots,
+                        **new_keys)
+    with pytest.raises(ValueError, match="staged_keys must be torch.float16"):
+        paged_attention(*args, KIVI, out, staged_keys=pool.staged_keys.float(), sequence_slots=pool.sequence_slots,
+                        **new_keys)

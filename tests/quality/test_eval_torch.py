@@ -115,11 +115,12 @@ def test_paged_cache_decode_matches_a_fresh_prefill(tiny_model):
 
 
 @pytest.mark.parametrize("scheme_name", ["int4_kivi", "int4_saw"])
-def test_token_by_token_writes_store_what_one_write_does(scheme_name):
+def test_token_by_token_writes_read_what_one_write_does(scheme_name):
     """prefill_tokens=1 stores as decode steps do. int4_kivi closes every block per channel from its original keys
-    through the staging pool, int4_saw stores per token: either way the stored keys and values read back the same
-    as one write of all 300 tokens. What differs is what each query sees (int4_kivi): the blocks closed by its own
-    step as stored, the rest of its block up to itself as the original keys, rounded to the pool's bf16."""
+    through the staging pool, int4_saw stores per token: either way what attention gets (stored keys, values and,
+    for int4_kivi, the original keys and the mask) is the same as after one write of all 300 tokens. int4_kivi's
+    query sees the blocks before its own per channel and its own block up to itself as the original keys, rounded
+    to the pool's bf16."""
     from s4kv.kernels.scheme import Int4Scheme
     from s4kv.runtime.eval.torch_engine import PagedInt4Cache
 
@@ -127,19 +128,18 @@ def test_token_by_token_writes_store_what_one_write_does(scheme_name):
     key, value = (torch.randn(1, 2, 300, 128, generator=gen) for _ in range(2))  # 2 closed blocks + an open one
     at_once = PagedInt4Cache(Int4Scheme(scheme_name))(0, key, value)
     by_token = PagedInt4Cache(Int4Scheme(scheme_name), prefill_tokens=1)(0, key, value)
-    torch.testing.assert_close(by_token[0][:, :, :300], at_once[0][:, :, :300], rtol=0, atol=0)
-    torch.testing.assert_close(by_token[1], at_once[1], rtol=0, atol=0)
+    assert len(by_token) == len(at_once) == (3 if scheme_name == "int4_kivi" else 2)
+    for got, want in zip(by_token, at_once):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
     if scheme_name == "int4_saw":
-        assert len(by_token) == 2
         return
     staged = PagedInt4Cache(Int4Scheme("int4_saw", 128))(0, key, value)[0]
     assert not torch.equal(by_token[0][:, :, :256], staged[:, :, :256])  # per channel, not staged per token
     torch.testing.assert_close(by_token[0][:, :, 300:], key.to(torch.bfloat16).float(), rtol=0, atol=0)
     position, key_position = torch.arange(300)[:, None], torch.arange(300)[None, :]
     causal = key_position <= position
-    for visible, step_end in ((by_token[2], position + 1), (at_once[2], torch.full_like(position, 300))):
-        closed = causal & (key_position < step_end // 128 * 128)
-        assert torch.equal(visible[0, 0], torch.cat([closed, causal & ~closed], 1))
+    earlier_block = causal & (key_position // 128 < position // 128)
+    assert torch.equal(by_token[2][0, 0], torch.cat([earlier_block, causal & ~earlier_block], 1))
 
 
 @pytest.mark.parametrize("scheme_name", ["int4_kivi", "int4_saw"])

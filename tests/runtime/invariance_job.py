@@ -3,13 +3,16 @@ one JSON line. Used by test_load_invariance.py in a subprocess of its own; by ha
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/runtime/invariance_job.py models/s4kv-ref-qwen2 bf16 int4_kivi``.
 
 Prompts are held-out text cut into token-id prompts that share a 256-token prefix (two full pages) and end at
-different offsets inside a page. One engine per condition and format:
+different offsets inside a page. Each batch also records, per generated token, the margin of the greedy choice over
+the runner-up (``<condition>_margins``). One engine per condition and format:
 
 * ``reference``: ample KV, prefix caching off, every prompt's prefill in one step (the batch), then each prompt
   alone in the same engine (``alone``);
 * ``preempted``: KV for a few sequences only (requests are preempted and recomputed), prefix caching on, 48-token
   prefill chunks (chunk boundaries fall inside pages);
-* ``chunked``: ample KV, prefix caching on, 200-token prefill chunks.
+* ``chunked``: ample KV, prefix caching on, 200-token prefill chunks (later prompts of the batch hit the blocks
+  earlier ones computed), then the same batch again in the same engine (``cached``: every prompt's full pages
+  from the prefix cache).
 """
 
 from __future__ import annotations
@@ -60,17 +63,31 @@ def staged_layers(model) -> int:
                if hasattr(module, "impl"))
 
 
+def choice_margins(logprobs) -> list[float]:
+    """Per generated token, how far the greedy choice led the runner-up (top-1 minus top-2 log-probability)."""
+    margins = []
+    for position in logprobs:
+        best, second = sorted((entry.logprob for entry in position.values()), reverse=True)[:2]
+        margins.append(best - second)
+    return margins
+
+
 def run(model: str, scheme: str, condition: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model, **engine_kwargs(scheme, condition))
-    greedy = SamplingParams(temperature=0, max_tokens=GENERATE, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=GENERATE, ignore_eos=True, logprobs=2)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts(llm.get_tokenizer())]
     batch = llm.generate(requests, greedy, use_tqdm=False)
-    result = {condition: [list(o.outputs[0].token_ids) for o in batch]}
+    result = {condition: [list(o.outputs[0].token_ids) for o in batch],
+              f"{condition}_margins": [choice_margins(o.outputs[0].logprobs) for o in batch]}
     if condition == "reference":
         result["alone"] = [list(llm.generate([r], greedy, use_tqdm=False)[0].outputs[0].token_ids) for r in requests]
+    if condition == "chunked":
+        again = llm.generate(requests, greedy, use_tqdm=False)
+        result["cached"] = [list(o.outputs[0].token_ids) for o in again]
+        result["cached_stats"] = {"cached_tokens": [o.num_cached_tokens or 0 for o in again]}
     metrics = {m.name: m.value for m in llm.get_metrics() if m.name in ("vllm:num_preemptions",)}
     result[f"{condition}_stats"] = {
         "preemptions": int(metrics.get("vllm:num_preemptions", 0)),

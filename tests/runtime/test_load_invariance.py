@@ -1,12 +1,12 @@
 """A request's greedy output must not depend on the load: through the real vLLM engine (CPU platform), int4_kivi and
-int4_saw give the same tokens under preemption and recompute, with prefix caching on, with prefill chunks of 48
-and 200 tokens and alone as in one batch with ample KV and prefix caching off, wherever bf16 does (int4_kivi through
-its staging pool: every closed page per channel from its original keys, whatever filled it).
+int4_saw give the same tokens under preemption and recompute, with prefill chunks of 48 and 200 tokens, from the
+prefix cache and alone as in one batch with ample KV and prefix caching off, wherever bf16 does. int4_kivi is
+invariant by its read rule (docs/format.md): every closed page per channel from its original keys, a query's own
+page from the original keys, so what a position sees depends on the tokens up to it alone.
 
 The model is the trained head_dim-128 reference model (s4kv-ref-qwen2): its greedy continuations depend on the
 stored bytes (the two int4 schemes continue differently), which the bundled tiny models, memorizing their answers,
-do not. About 8 minutes on 2 shared cores (tests/runtime/invariance_job.py: nine engines, one per condition and
-format).
+do not. tests/runtime/invariance_job.py: nine engines, one per condition and format.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 JOB = Path(__file__).with_name("invariance_job.py")
 MODEL = "s4kv-ref-qwen2"
 FORMATS = ("bf16", "int4_kivi", "int4_saw")
-PRESSURES = ("alone", "preempted", "chunked")
+PRESSURES = ("alone", "preempted", "chunked", "cached")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,7 @@ def test_the_loads_happened(outputs):
         assert stats["preempted_stats"]["preemptions"] > 0  # requests were recomputed into other pages
         assert stats["preempted_stats"]["cached_tokens"] > 0 and stats["chunked_stats"]["cached_tokens"] > 0
         assert stats["reference_stats"]["cached_tokens"] == 0
+        assert min(stats["cached_stats"]["cached_tokens"]) >= 256  # at least the shared prefix from the cache
         assert any(n % 128 for n in stats["reference_stats"]["prompt_tokens"])  # prompts end inside pages
     assert outputs["int4_kivi"]["reference_stats"]["staged_layers"] == outputs["num_layers"]
     assert outputs["int4_saw"]["reference_stats"]["staged_layers"] == 0
@@ -56,15 +57,13 @@ def test_greedy_output_depends_on_the_stored_bytes(outputs):
     assert outputs["int4_kivi"]["reference"] != outputs["int4_saw"]["reference"]
 
 
-# What the read side still lets depend on the load: not the stored pages (test_staging_slots.py: a function of their
-# keys whatever the chunking, batching or recompute), but attention reads a query's own, still open block
-# from its per-token codes when earlier steps wrote part of it (chunked prefill, decode, the recompute's chunks),
-# and per channel when the query's step closes it (a one-shot prefill). Layer 1 onward then sees other inputs.
-OPEN_BLOCK_READ = pytest.mark.xfail(strict=True, reason=(
-    "int4_kivi attention reads the query's own block per token while it is open and per channel once the same step "
-    "closed it, so chunking and recompute change what a prompt token attends to"))
-CASES = [pytest.param("int4_kivi", p, marks=OPEN_BLOCK_READ) if p != "alone" else ("int4_kivi", p) for p in PRESSURES]
-CASES += [("int4_saw", p) for p in PRESSURES]
+CASES = [(scheme, pressure) for scheme in ("int4_kivi", "int4_saw") for pressure in PRESSURES]
+# vLLM's CPU compute is not bitwise the same across batch shapes (bf16's own first-token log-probabilities move by
+# up to 0.031 between the reference and the 200-token-chunk engine), and int4 logits hold exact ties (the reference
+# model's bf16 logits, measured: two prompts' first tokens under int4_kivi): such a choice may flip with the batch
+# whatever the format stores. A changed output counts as a load dependence only where the reference's choice at the
+# first differing token led by more than this.
+NEAR_TIE = 0.05
 
 
 @pytest.mark.parametrize("scheme, pressure", CASES)
@@ -73,4 +72,11 @@ def test_int4_output_is_the_same_under_load_wherever_bf16_is(outputs, scheme, pr
     stable = [i for i, tokens in enumerate(bf16[pressure]) if tokens == bf16["reference"][i]]
     assert len(stable) >= len(bf16["reference"]) // 2  # bf16 itself holds on most prompts
     changed = [i for i in stable if int4[pressure][i] != int4["reference"][i]]
-    assert changed == [], f"{scheme} {pressure}: prompts {changed} differ from the same format without pressure"
+    clear_choices = []
+    for i in changed:
+        first = next(t for t, (a, b) in enumerate(zip(int4[pressure][i], int4["reference"][i])) if a != b)
+        margin = int4["reference_margins"][i][first]
+        if margin >= NEAR_TIE:
+            clear_choices.append(f"prompt {i} token {first} (margin {margin:.3f})")
+    assert clear_choices == [], (f"{scheme} {pressure}: outputs differ from the same format without pressure at "
+                                 f"choices that were not near-ties: {clear_choices}")
