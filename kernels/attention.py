@@ -4,11 +4,13 @@ One kernel serves decode, prefill and chunked prefill with a cached prefix (mixe
 them). A program owns BLOCK_Q query tokens x all GROUP query heads of one KV head, so every K/V tile is loaded
 and dequantized once per KV head (GQA shared). Rows of the [BLOCK_M, head_dim] query tile are (token, head) pairs.
 
-Scores are taken in the space the keys are stored in: int4_saw keys (and staged int4_kivi blocks: open, or
-closed over several batches) are rotated, so the program rotates Q once (the rotation is orthonormal, scores are
-unchanged); int4_kivi blocks closed per channel hold unrotated keys and use Q as is. With int4_kivi's staging pool
-(kernels/staging.py) the open block's keys are read from the pool, the original keys in the model dtype, against
-the unrotated Q. With rotated values the output is un-rotated at the end.
+Scores are taken in the space the keys are stored in: int4_saw keys (and, without int4_kivi's staging pool, a
+KIVI block closed over several batches) are rotated, so the program rotates Q once (the rotation is orthonormal,
+scores are unchanged); int4_kivi blocks closed per channel hold unrotated keys and use Q as is. int4_kivi reads a
+query's own block (the 128-token page holding its position) from the original keys in the model dtype: this step's
+rows of ``new_keys`` and, for the tokens of the block an earlier step wrote, the staging pool (kernels/staging.py);
+only the tile(s) of a program's own blocks take that path. Values always come from the cache. With rotated values
+the output is un-rotated at the end.
 
 Decode batches (max_query_len == 1) with a workspace split the context over NUM_SPLITS programs (flash-decoding)
 and a second kernel merges the partial softmaxes. Grids depend only on the token count, the number of sequences
@@ -27,7 +29,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout, check_head_dim, tile_tokens
 from .scheme import Int4Scheme
-from .staging import check_pool_read
+from .staging import check_new_keys, check_pool_read
 from .triton_common import (kivi_block_is_per_channel, load_channel_params, load_key_token_params, load_token_params,
                             rotate_halves)
 
@@ -198,20 +200,45 @@ def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SC
 
 
 @triton.jit
-def _scores_from_pool(q_rows, row_live, staged_keys_ptr, pool_page, pool_stride_token, offset, written, slot,
-                      HALF: tl.constexpr):
-    """Q K^T for the open int4_kivi block from its original keys in the staging pool, against Q as given (the pool
-    and the query share the model dtype). A sequence whose open block has no slot (-1) scores NaN: an assignment
-    bug then shows in the output of every query that reads the block."""
+def _scores_from_originals(q_rows, row_live, new_keys_ptr, new_key_rows, staged_keys_ptr, pool_page,
+                           pool_stride_token, offset, k_pos, context, seq_len, slot, HALF: tl.constexpr):
+    """Q K^T for int4_kivi keys of the query's own block, from the original keys (model dtype, as the query): this
+    step's tokens (k_pos >= context) from ``new_keys``, the earlier ones of the block the step starts in from the
+    staging pool row ``slot``. Where that needs a slot and it is -1 the scores are NaN: an assignment bug then shows
+    in the output of every query that reads those keys."""
     ch = tl.arange(0, HALF)
     q_lo = tl.load(q_rows + ch[None, :], mask=row_live[:, None], other=0.0)
     q_hi = tl.load(q_rows + HALF + ch[None, :], mask=row_live[:, None], other=0.0)
-    readable = (written & (slot >= 0))[:, None]
-    k_rows = staged_keys_ptr + pool_page + offset[:, None] * pool_stride_token + ch[None, :]
-    k_lo = tl.load(k_rows, mask=readable, other=0.0)
-    k_hi = tl.load(k_rows + HALF, mask=readable, other=0.0)
+    fresh = ((k_pos >= context) & (k_pos < seq_len))[:, None]
+    staged = k_pos < context
+    from_pool = (staged & (slot >= 0))[:, None]
+    new_rows = new_keys_ptr + new_key_rows[:, None] + ch[None, :]
+    pool_rows = staged_keys_ptr + pool_page + offset[:, None] * pool_stride_token + ch[None, :]
+    k_lo = tl.where(fresh, tl.load(new_rows, mask=fresh, other=0.0), tl.load(pool_rows, mask=from_pool, other=0.0))
+    k_hi = tl.where(fresh, tl.load(new_rows + HALF, mask=fresh, other=0.0),
+                    tl.load(pool_rows + HALF, mask=from_pool, other=0.0))
     scores = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
-    return tl.where(slot >= 0, scores, float("nan"))
+    return tl.where((staged & (slot < 0))[None, :], float("nan"), scores)
+
+
+@triton.jit
+def _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, cache_u8_ptr, cache_f16_ptr, page, k_params, offset,
+                        written, HAS_POOL: tl.constexpr, BLOCK_SIZE: tl.constexpr, PTX_UNPACK: tl.constexpr,
+                        SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
+                        CODE_BIAS: tl.constexpr, CODE_SCALE: tl.constexpr, HALF: tl.constexpr):
+    """Q K^T for an int4_kivi block before the query's own block (full, so closed). With the staging pool every
+    block closes per channel; without it a block filled over several batches kept its staged per-token keys,
+    which token 0's flag bit tells (kivi_block_is_per_channel)."""
+    k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16,
+                             CODE_BIAS_BITS, CODE_BIAS, HALF)
+    if HAS_POOL:
+        scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
+    elif kivi_block_is_per_channel(cache_f16_ptr, k_params, 0, BLOCK_SIZE, BLOCK_SIZE):
+        scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
+    else:
+        scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
+                                   CODE_SCALE)
+    return scores
 
 
 # Runtime values must not pick kernel variants: Triton would otherwise compile one per "== 1 / multiple of 16"
@@ -222,10 +249,10 @@ def _scores_from_pool(q_rows, row_live, staged_keys_ptr, pool_page, pool_stride_
                                             "sequence_slots_ptr"])
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_u8_ptr, cache_f16_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_acc_ptr, part_ml_ptr, staged_keys_ptr, sequence_slots_ptr,
+    part_acc_ptr, part_ml_ptr, new_keys_ptr, staged_keys_ptr, sequence_slots_ptr,
     qk_scale, num_seqs,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_table_stride, stride_block, stride_head,
-    pool_stride_slot, pool_stride_head, pool_stride_token,
+    new_keys_stride_t, new_keys_stride_h, pool_stride_slot, pool_stride_head, pool_stride_token,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_KIVI: tl.constexpr, HAS_POOL: tl.constexpr, HADAMARD_BLOCK: tl.constexpr,
     ROTATE_V: tl.constexpr,
@@ -264,8 +291,14 @@ def _paged_attention_kernel(
         qr_hi = qr_hi.to(dt)
         qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
 
-        if HAS_POOL:
-            slot = tl.load(sequence_slots_ptr + seq)
+        if IS_KIVI:
+            # the own blocks of this program's queries: every tile from first_own_block on is read from the
+            # original keys for the rows in its block (a multi-query program may span two blocks)
+            first_own_block = (context + local_block * BLOCK_Q) // BLOCK_SIZE
+            if HAS_POOL:
+                slot = tl.load(sequence_slots_ptr + seq)
+            else:
+                slot = tl.full([], -1, tl.int32)  # no pool: a read of it is an error that shows as NaN
             pool_page = slot.to(tl.int64) * pool_stride_slot + kv_head * pool_stride_head
 
         kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
@@ -288,20 +321,29 @@ def _paged_attention_kernel(
             k_pos = start + tl.arange(0, TILE)
             # slots past the sequence end hold stale bytes: never let them reach the P @ V product
             written = k_pos < seq_len
-            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL,
-                                     IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
             k_params = (page + layout_k_params) // 2
             if IS_KIVI:
-                # with a pool, the last page of a sequence not ending on a page boundary is its open block
-                if HAS_POOL and (logical_block + 1) * BLOCK_SIZE > seq_len:
-                    scores = _scores_from_pool(q_rows, row_live, staged_keys_ptr, pool_page, pool_stride_token,
-                                               offset, written, slot, HALF)
-                elif kivi_block_is_per_channel(cache_f16_ptr, k_params, logical_block, seq_len, BLOCK_SIZE):
-                    scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
+                if logical_block < first_own_block:  # closed for every row: per channel
+                    scores = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, cache_u8_ptr, cache_f16_ptr, page,
+                                                 k_params, offset, written, HAS_POOL, BLOCK_SIZE, PTX_UNPACK,
+                                                 SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, CODE_SCALE, HALF)
                 else:
-                    scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset,
-                                               written, CODE_SCALE)
+                    new_key_rows = ((q_start - context + k_pos).to(tl.int64) * new_keys_stride_t
+                                    + kv_head * new_keys_stride_h)
+                    scores = _scores_from_originals(q_rows, row_live, new_keys_ptr, new_key_rows, staged_keys_ptr,
+                                                    pool_page, pool_stride_token, offset, k_pos, context, seq_len,
+                                                    slot, HALF)
+                    if logical_block < (kv_end - 1) // BLOCK_SIZE:
+                        # the program's later rows are in the next block: this one is closed for them
+                        closed = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, cache_u8_ptr, cache_f16_ptr,
+                                                     page, k_params, offset, written, HAS_POOL, BLOCK_SIZE,
+                                                     PTX_UNPACK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS,
+                                                     CODE_SCALE, HALF)
+                        own = (q_pos // BLOCK_SIZE == logical_block)[:, None]
+                        scores = tl.where(own, scores, closed)
             else:
+                k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL,
+                                         IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
                 scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
                                            CODE_SCALE)
             visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
@@ -459,12 +501,16 @@ def _code_format(dtype: torch.dtype, subnormal: bool) -> dict:
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len: int,
                     softmax_scale: float, scheme: Int4Scheme, out, workspace: SplitWorkspace | None = None,
-                    launch: LaunchConfig | None = None, staged_keys=None, sequence_slots=None) -> None:
+                    launch: LaunchConfig | None = None, staged_keys=None, sequence_slots=None,
+                    new_keys=None) -> None:
     """Causal attention of query [T, Hq, D] over the int4 paged cache of head_dim D into out [T, Hq, D].
 
-    int4_kivi with its staging pool: ``staged_keys`` [slots, Hkv, 128, D] in the query's dtype and
-    ``sequence_slots`` int32 [num_seqs] (each sequence's open-block slot, -1 where its last block is full); the
-    open blocks' keys are then read from the pool (reference.paged_attention)."""
+    Values, and int4_saw keys, are read from the cache for every key. int4_kivi reads each query's own block from
+    the original keys (docs/kernel-api.md): ``new_keys`` [>= T, Hkv, D] (the step's keys, what the store got; rows
+    past T are never read) for this step's tokens, and the staging pool ``staged_keys`` [slots, Hkv, 128, D] at
+    ``sequence_slots`` int32 [num_seqs] (the slot of the block each sequence's step starts in, -1 where the step
+    starts on a block boundary) for the earlier tokens of that block; every earlier block per channel. Both in the
+    query's dtype. Without a pool, blocks closed over several batches keep their staged keys (store.store_kv)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
     if num_q_heads % num_kv_heads:
@@ -478,6 +524,10 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     block_size = layout.block_size
     if scheme.is_kivi and block_size != KIVI_BLOCK_SIZE:
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
+    if scheme.is_kivi:
+        check_new_keys(new_keys, num_tokens, num_kv_heads, head_dim, query.dtype)
+    else:
+        new_keys = query  # int4_saw reads every key from the cache: the argument is unused
     num_seqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     decode = max_query_len == 1
@@ -506,10 +556,11 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     _paged_attention_kernel[grid](
         query, out, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, query_start_loc,
         workspace.part_acc if num_splits > 1 else dummy, workspace.part_ml if num_splits > 1 else dummy,
-        staged_keys if has_pool else query, sequence_slots if has_pool else seq_lens,
+        new_keys, staged_keys if has_pool else query, sequence_slots if has_pool else seq_lens,
         softmax_scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), *(staged_keys.stride()[:3] if has_pool else (0, 0, 0)),
+        kv_cache.stride(0), kv_cache.stride(1), new_keys.stride(0), new_keys.stride(1),
+        *(staged_keys.stride()[:3] if has_pool else (0, 0, 0)),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile_tokens(block_size, launch.tile), BLOCK_SIZE=block_size,
         IS_KIVI=scheme.is_kivi, HAS_POOL=has_pool, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,

@@ -45,3 +45,15 @@ def check_pool_read(staged_keys, sequence_slots, num_seqs: int, num_kv_heads: in
     if sequence_slots.dtype != torch.int32 or tuple(sequence_slots.shape) != (num_seqs,):
         raise ValueError(f"sequence_slots must be int32 [{num_seqs}] (one per sequence), got {sequence_slots.dtype} "
                          f"{tuple(sequence_slots.shape)}")
+
+
+def check_new_keys(new_keys, num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """The step's keys an int4_kivi attention read takes for its own blocks: [>= T, Hkv, D] in the query's dtype with
+    contiguous channels (vLLM's ``key``; rows past the T query tokens are CUDA-graph padding, never read)."""
+    if new_keys is None:
+        raise ValueError("int4_kivi attention needs new_keys (the step's keys): a query's own block is read from the "
+                         "original keys")
+    if (new_keys.dim() != 3 or new_keys.shape[0] < num_tokens or tuple(new_keys.shape[1:]) != (num_kv_heads, head_dim)
+            or new_keys.dtype != dtype or new_keys.stride(-1) != 1):
+        raise ValueError(f"new_keys must be [>= {num_tokens}, {num_kv_heads}, {head_dim}] {dtype} with contiguous "
+                         f"channels, got {tuple(new_keys.shape)} {new_keys.dtype} strides {new_keys.stride()}")

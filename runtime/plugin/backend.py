@@ -4,9 +4,11 @@ Layout: vLLM sizes an ``int4_per_token_head`` page at ``block_size * num_kv_head
 tensor is exactly that, ``uint8[num_blocks, num_kv_heads, block_size * (head_dim + 8)]`` (kernels/layout.py), physical
 == logical.
 The store runs in ``do_kv_cache_update`` (before attention, as for TRITON_ATTN). Decode tokens read the int4 cache
-directly (memory-bound: 3.8x fewer bytes than bf16). Prefill chunks are compute-bound, so their sequences' K/V
-(int4 prefix dequantized + the chunk's fresh K/V) are gathered into a dense buffer and run through vLLM's own
-FlashAttention (FA3 on Hopper, FA2 elsewhere); the batch is reordered decodes-first to split it. The CPU path
+directly (memory-bound: 3.8x fewer bytes than bf16). Prefill chunks are compute-bound, so their sequences' K/V,
+dequantized from the int4 cache (the chunk's own tokens included), are gathered into dense pages and run through
+vLLM's own FlashAttention (FA3 on Hopper, FA2 elsewhere): one causal pass for int4_saw, two passes merged by
+log-sum-exp for int4_kivi (earlier blocks per channel, the own block from its original keys; kernels/prefill_plan.py);
+the batch is reordered decodes-first to split it. The CPU path
 (cpu_backend.py) reuses the backend, metadata and builder defined here and swaps the kernels for the torch reference.
 int4_kivi layers also own a staging pool (the open blocks' original keys); the builder assigns its slots per step
 (staging.py) and the store closes every block per channel from them.
@@ -14,6 +16,7 @@ int4_kivi layers also own a staging pool (the open blocks' original keys); the b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -32,6 +35,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from s4kv.kernels.layout import bytes_per_token, cache_shape
+from s4kv.kernels.prefill_plan import PAGE, plan_prefill_passes
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
@@ -124,16 +128,16 @@ class S4KVMetadata:
 
 @dataclass
 class PrefillPlan:
-    """The prefill part of a decodes-first batch, for FlashAttention over a dense K/V buffer."""
+    """The prefill part of a decodes-first batch, for FlashAttention over dense K/V pages (kernels/prefill_plan.py)."""
 
     num_decodes: int  # sequences [0, num_decodes) are decodes: 1 token, or 1 + speculative drafts
     num_decode_tokens: int
     decode_max_query_len: int  # 1 without drafts (then the decode part may split the context)
-    cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32 from 0, rows of query[num_decode_tokens:]
-    cu_seqlens_k: torch.Tensor  # [num_prefills + 1] int32, rows of dense_k/dense_v
+    cu_pages: torch.Tensor  # [num_prefills + 1] int32: prefill sequence i's dense pages start at cu_pages[i]
+    passes: tuple  # kernels.prefill_plan.FlashPass on the device: int4_saw one causal, int4_kivi (closed,) own
     max_query_len: int
     max_seq_len: int
-    dense_k: torch.Tensor  # [sum of prefill seq_lens, Hkv, head_dim], model dtype
+    dense_k: torch.Tensor  # [pages, 128, Hkv, head_dim], model dtype
     dense_v: torch.Tensor
     fa_version: int | None
 
@@ -217,22 +221,20 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
             return None
         seq_lens = (m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens_cpu)
         seq_lens = seq_lens[num_decodes : m.num_reqs].to(torch.int32)
-        total = int(seq_lens.sum())
+        q_lens = m.query_start_loc_cpu[1 : m.num_reqs + 1] - m.query_start_loc_cpu[: m.num_reqs]
+        plan = plan_prefill_passes(seq_lens, q_lens[num_decodes:], self.staging is not None)
         spec = self.kv_cache_spec
         dtype = self.vllm_config.model_config.dtype
-        if 2 * total * spec.num_kv_heads * spec.head_size * dtype.itemsize > self.dense_budget_bytes:
+        page_shape = (PAGE, spec.num_kv_heads, spec.head_size)
+        if 2 * plan.num_pages * math.prod(page_shape) * dtype.itemsize > self.dense_budget_bytes:
             return None
-        q_starts = m.query_start_loc_cpu[num_decodes : m.num_reqs + 1]
-        q_lens = m.query_start_loc_cpu[1 : m.num_reqs + 1] - m.query_start_loc_cpu[: m.num_reqs]
-        cu_k = torch.zeros(num_prefills + 1, dtype=torch.int32)
-        torch.cumsum(seq_lens, 0, out=cu_k[1:])
-        dense_k = torch.empty(total, spec.num_kv_heads, spec.head_size, dtype=dtype, device=self.device)
+        dense_k = torch.empty(plan.num_pages, *page_shape, dtype=dtype, device=self.device)
         return PrefillPlan(
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
             decode_max_query_len=int(q_lens[:num_decodes].max()) if num_decodes else 0,
-            cu_seqlens_q=(q_starts - num_decode_tokens).to(self.device, torch.int32, non_blocking=True),
-            cu_seqlens_k=cu_k.to(self.device, non_blocking=True),
+            cu_pages=plan.cu_pages.to(self.device, non_blocking=True),
+            passes=tuple(p.to(self.device) for p in plan.passes),
             max_query_len=int(q_lens[num_decodes:].max()),
             max_seq_len=int(seq_lens.max()),
             dense_k=dense_k,
@@ -353,35 +355,69 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         if m.prefill is None:
             self._paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.max_query_len,
                                   self.scale, self.scheme, output, workspace=m.workspace,
-                                  **self._pool_read(m, slice(None)))
+                                  **self._pool_read(m, slice(None), key))
             return
         p = m.prefill
         nd, ndt = p.num_decodes, p.num_decode_tokens
         if nd:
             self._paged_attention(query[:ndt], kv_cache, m.block_table[:nd], m.seq_lens[:nd],
                                   m.query_start_loc[: nd + 1], p.decode_max_query_len, self.scale, self.scheme,
-                                  output[:ndt], workspace=m.workspace, **self._pool_read(m, slice(None, nd)))
-        self._prefill_with_flash_attention(query, key, value, kv_cache, m, output)
+                                  output[:ndt], workspace=m.workspace, **self._pool_read(m, slice(None, nd), key))
+        self._prefill_with_flash_attention(query, key, kv_cache, m, output)
 
-    def _pool_read(self, m: S4KVMetadata, rows: slice) -> dict[str, Any]:
-        """int4_kivi: the staging pool and the slots of the sequences in ``rows``, so attention reads each open block's
-        original keys (kernels/staging.py); nothing for int4_saw."""
+    def _pool_read(self, m: S4KVMetadata, rows: slice, key: torch.Tensor) -> dict[str, Any]:
+        """int4_kivi: what attention reads each query's own block from (docs/kernel-api.md): this step's keys
+        (vLLM's ``key``; rows past num_actual_tokens are CUDA-graph padding, never read) and the staging pool at the
+        slots of the sequences in ``rows``; nothing for int4_saw."""
         if self.staged_keys is None:
             return {}
-        return {"staged_keys": self.staged_keys, "sequence_slots": m.sequence_slots[rows]}
+        return {"new_keys": key, "staged_keys": self.staged_keys, "sequence_slots": m.sequence_slots[rows]}
 
-    def _prefill_with_flash_attention(self, query, key, value, kv_cache, m: S4KVMetadata, output) -> None:
-        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-
-        from s4kv.kernels.dense import gather_dense_kv
-
+    def _prefill_with_flash_attention(self, query, key, kv_cache, m: S4KVMetadata, output) -> None:
         p = m.prefill
         nd, ndt, end = p.num_decodes, p.num_decode_tokens, m.num_actual_tokens
-        gather_dense_kv(key, value, kv_cache, m.block_table[nd:], m.seq_lens[nd:], m.query_start_loc[nd:],
-                        p.cu_seqlens_k, p.max_seq_len, self.scheme, p.dense_k, p.dense_v,
-                        **self._pool_read(m, slice(nd, None)))
-        flash_attn_varlen_func(
-            q=query[ndt:end], k=p.dense_k, v=p.dense_v, out=output[ndt:end], cu_seqlens_q=p.cu_seqlens_q,
-            max_seqlen_q=p.max_query_len, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_k=p.max_seq_len,
-            softmax_scale=self.scale, causal=True, fa_version=p.fa_version,
-        )
+        pool = self._pool_read(m, slice(nd, None), key)
+        flash_prefill(query[ndt:end], kv_cache, m.block_table[nd:], m.seq_lens[nd:], m.query_start_loc[nd:], p,
+                      self.scheme, self.scale, self.head_size, output[ndt:end], **pool)
+
+
+def flash_prefill(query, kv_cache, block_table, seq_lens, query_start_loc, p: PrefillPlan, scheme: Int4Scheme,
+                  softmax_scale: float, head_dim: int, out, new_keys=None, staged_keys=None,
+                  sequence_slots=None) -> None:
+    """FlashAttention of the prefill queries ``query`` (the prefill part of the batch, [T, Hq, D]) over their
+    sequences' K/V dequantized into dense pages (kernels/prefill_plan.py), into ``out``: int4_saw one causal pass;
+    int4_kivi the closed pass (blocks before each segment's own block, per channel), then the own blocks' keys
+    rewritten to the originals (``new_keys`` rows at ``query_start_loc``, the pool at ``sequence_slots``) and the
+    causal own pass, merged by log-sum-exp."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+    from s4kv.kernels.dense import gather_dense_kv, gather_own_keys
+
+    gather_dense_kv(kv_cache, block_table, seq_lens, p.cu_pages, p.max_seq_len, scheme, p.dense_k, p.dense_v,
+                    head_dim)
+
+    def flash(fa_pass, into, lse: bool):
+        return flash_attn_varlen_func(
+            q=query, k=p.dense_k, v=p.dense_v, out=into, cu_seqlens_q=fa_pass.cu_seqlens_q,
+            max_seqlen_q=fa_pass.max_seqlen_q, seqused_k=fa_pass.seqused_k, max_seqlen_k=fa_pass.max_seqlen_k,
+            block_table=fa_pass.block_table, softmax_scale=softmax_scale, causal=fa_pass.causal,
+            return_softmax_lse=lse, fa_version=p.fa_version)
+
+    if not scheme.is_kivi:
+        flash(p.passes[0], out, lse=False)
+        return
+    closed = p.passes[:-1]
+    if closed:
+        closed_out = torch.empty_like(out)
+        _, closed_lse = flash(closed[0], closed_out, lse=True)
+    gather_own_keys(new_keys, staged_keys, sequence_slots, seq_lens, query_start_loc, p.cu_pages, p.max_query_len,
+                    p.dense_k)
+    if not closed:  # no segment has an earlier block
+        flash(p.passes[-1], out, lse=False)
+        return
+    own_out = torch.empty_like(out)
+    _, own_lse = flash(p.passes[-1], own_out, lse=True)
+    # a segment of block 0 has no closed keys: FA gives it output 0 and a log-sum-exp of -inf (FA3) or +inf (FA2),
+    # which merge_attn_states reads as -inf, taking the own pass alone
+    merge_attn_states(out, closed_out, closed_lse, own_out, own_lse)

@@ -55,5 +55,4 @@ class S4KVCpuAttentionImpl(S4KVAttentionImpl):
         """Every query through the reference (which returns float32); ``key`` is the step's keys, from which
         int4_kivi reads a query's own block (kernels/reference.py, the read rule)."""
         output.copy_(reference.paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
-                                               self.scale, self.scheme, new_keys=key,
-                                               **self._pool_read(m, slice(None))))
+                                               self.scale, self.scheme, **self._pool_read(m, slice(None), key)))

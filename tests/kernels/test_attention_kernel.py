@@ -1,4 +1,5 @@
-"""The Triton paged attention kernel (kernels/attention.py) against the torch reference.
+"""The Triton paged attention kernel (kernels/attention.py) against the torch reference: int4_saw here, int4_kivi's
+read rule (its own block from the original keys) in test_own_block_attention.py.
 
 Without CUDA it runs under the Triton interpreter (set up in conftest.py), fp16, small shapes: a few minutes of
 CI. With CUDA the same tests run the compiled kernel. Unused pages, the unwritten tail of the last page of each
@@ -28,8 +29,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"),
 ]
 
+KIVI = Int4Scheme("int4_kivi")
 SCHEMES = {
-    "kivi": Int4Scheme("int4_kivi"),
     "saw128": Int4Scheme("int4_saw", 128),
     "saw64-rotv": Int4Scheme("int4_saw", 64, rotate_values=True),
     "saw32": Int4Scheme("int4_saw", 32),
@@ -92,10 +93,9 @@ def test_mixed_prefill_and_decode_batch(gen, kernel_device, scheme_name, head_di
 @pytest.mark.parametrize(
     "scheme_name, group, num_splits, head_dim",
     [
-        ("kivi", 1, None, 128), ("kivi", 4, 4, 128), ("kivi", 7, 16, 128),
         ("saw128", 1, 16, 128), ("saw128", 4, None, 128), ("saw128", 7, 8, 128),
         ("saw64-rotv", 4, 16, 128), ("saw32", 7, None, 128), ("saw128-rotv", 1, 8, 128),
-        ("kivi", 1, None, 64), ("kivi", 7, 8, 64), ("saw64-rotv", 4, 16, 64), ("saw32", 1, 4, 64),
+        ("saw64-rotv", 4, 16, 64), ("saw32", 1, 4, 64),
     ],
 )
 def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, scheme_name, group, num_splits,
@@ -127,7 +127,7 @@ OTHER_CODE_PATHS = [pytest.param(name, marks=GPU_ONLY if "ptx" in name else []) 
 @pytest.mark.parametrize("code_path", OTHER_CODE_PATHS)
 @pytest.mark.parametrize("specs", [MIXED, DECODE], ids=["mixed", "decode-split"])
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
-@pytest.mark.parametrize("scheme_name", ["kivi", "saw64-rotv"])
+@pytest.mark.parametrize("scheme_name", ["saw64-rotv"])
 def test_other_code_paths_match_the_reference(gen, kernel_device, scheme_name, head_dim, specs, code_path):
     """The launch options that feed codes to the MMA as fp16 subnormals (code * 2^-24, rescaled in fp32) and/or
     unpack them with inline PTX: same attention as the reference, on the one-pass prefill path and the split-KV
@@ -176,7 +176,7 @@ def test_decode_with_and_without_workspace_agree(gen, kernel_device):
 
 def test_shuffled_block_table_changes_nothing_but_the_page_order(gen, kernel_device):
     """The same tokens stored through two different block tables give bit-identical attention outputs."""
-    scheme = SCHEMES["kivi"]
+    scheme = SCHEMES["saw128"]
     specs = [(0, 203), (0, 1)]
     first = make_paged_batch(gen, specs, 4, 1, block_size=128, dtype=torch.float16, device=kernel_device)
     second = make_paged_batch(gen, specs, 4, 1, block_size=128, dtype=torch.float16, device=kernel_device,
@@ -196,7 +196,7 @@ def test_shuffled_block_table_changes_nothing_but_the_page_order(gen, kernel_dev
 def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, specs, with_workspace):
     """As vLLM pads a batch to a CUDA-graph size: extra query rows past query_start_loc[-1], and padded
     sequences with no query tokens (seq_len 0, or 1 as set at capture) whose block-table rows are null."""
-    scheme = SCHEMES["kivi"]
+    scheme = SCHEMES["saw128"]
     batch = make_paged_batch(gen, specs, 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
@@ -215,7 +215,7 @@ def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, specs, 
     assert_attention_close(out[:num_tokens], expected, "padded batch")
 
 
-@pytest.mark.parametrize("scheme_name", ["kivi", "saw64-rotv"])
+@pytest.mark.parametrize("scheme_name", ["saw64-rotv"])
 def test_a_broken_value_poisons_only_the_queries_that_see_it(gen, kernel_device, scheme_name):
     """A NaN value (stored with a NaN scale) in a fresh prefill and in a chunk over a cached prefix: the queries
     before it must not see it (p = 0 there, and 0 * NaN is NaN), those after it must be NaN. Which rows are NaN
@@ -263,16 +263,16 @@ def test_bad_inputs_get_clear_errors(gen, kernel_device):
         paged_attention(query, cache, *args, SCHEMES["saw128"], torch.empty_like(query))
     query = query.half()
     with pytest.raises(ValueError, match="int4_kivi needs block_size 128"):
-        paged_attention(query, cache[..., : 64 * 136], *args, SCHEMES["kivi"], torch.empty_like(query))
+        paged_attention(query, cache[..., : 64 * 136], *args, KIVI, torch.empty_like(query))
     with pytest.raises(ValueError, match="support head_dim 64 and 128, got 96"):
-        paged_attention(query[..., :96], cache, *args, SCHEMES["kivi"], torch.empty_like(query[..., :96]))
+        paged_attention(query[..., :96], cache, *args, KIVI, torch.empty_like(query[..., :96]))
     with pytest.raises(ValueError, match=r"block_size \* 72\] for head_dim 64"):
-        paged_attention(query[..., :64], cache[..., : 128 * 136 - 8], *args, SCHEMES["kivi"],
+        paged_attention(query[..., :64], cache[..., : 128 * 136 - 8], *args, KIVI,
                         torch.empty_like(query[..., :64]))
     cache64 = torch.zeros(3, 4, 128 * 72, dtype=torch.uint8, device=kernel_device)
     with pytest.raises(ValueError, match="hadamard_block 128 does not divide head_dim 64"):
         paged_attention(query[..., :64], cache64, *args, SCHEMES["saw128"], torch.empty_like(query[..., :64]))
     workspace = SplitWorkspace.allocate(8, 4, 128, kernel_device, num_splits=16)
     with pytest.raises(ValueError, match="another head_dim"):
-        paged_attention(query[..., :64], cache64, *args, SCHEMES["kivi"], torch.empty_like(query[..., :64]),
-                        workspace=workspace)
+        paged_attention(query[..., :64], cache64, *args, KIVI, torch.empty_like(query[..., :64]),
+                        workspace=workspace, new_keys=query.new_zeros(2, 4, 64))

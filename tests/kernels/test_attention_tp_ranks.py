@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_batches import cache_with_prefix, make_paged_batch, relative_error
+from kv_batches import relative_error
+from own_block_oracle import batch_rule_attention, stored_step
 
-from s4kv.kernels import reference as ref
 from s4kv.kernels.attention import SplitWorkspace, paged_attention
 from s4kv.kernels.scheme import Int4Scheme
 
@@ -28,10 +28,12 @@ DECODE = [(0, 1), (127, 1), (300, 1), (5, 1)]
 MAX_REL_ERR = 1e-2
 
 
-def attend(batch, cache, scheme, workspace=None) -> torch.Tensor:
+def attend(batch, cache, pool, scheme, workspace=None) -> torch.Tensor:
+    own_block = {} if pool is None else dict(new_keys=batch.key, staged_keys=pool.staged_keys,
+                                             sequence_slots=pool.sequence_slots)
     out = torch.full_like(batch.query, float("nan"))
     paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                    batch.max_query_len, SOFTMAX_SCALE, scheme, out, workspace=workspace)
+                    batch.max_query_len, SOFTMAX_SCALE, scheme, out, workspace=workspace, **own_block)
     return out
 
 
@@ -41,12 +43,8 @@ def attend(batch, cache, scheme, workspace=None) -> torch.Tensor:
 def test_attention_at_the_heads_of_one_rank(gen, kernel_device, rank, scheme_name, specs):
     scheme = SCHEMES[scheme_name]
     num_q_heads, num_kv_heads = RANK_HEADS[rank]
-    batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
-                             device=kernel_device, num_padding=1)
-    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    expected = ref.paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                                   SOFTMAX_SCALE, scheme)
+    batch, cache, pool = stored_step(gen, specs, 128, kernel_device, num_q_heads, num_kv_heads, scheme, num_padding=1)
+    expected = batch_rule_attention(batch, SOFTMAX_SCALE, scheme)
     workspace = None
     if specs is DECODE:
         # as S4KVMetadataBuilder allocates it, from this rank's heads; a small target forces several splits
@@ -54,7 +52,7 @@ def test_attention_at_the_heads_of_one_rank(gen, kernel_device, rank, scheme_nam
         assert workspace.num_splits(len(DECODE)) > 1
         workspace.part_acc.fill_(float("nan"))
         workspace.part_ml.fill_(float("nan"))
-    out = attend(batch, cache, scheme, workspace)
+    out = attend(batch, cache, pool, scheme, workspace)
     assert not torch.isnan(out).any(), f"{rank} {scheme_name}: NaN in the output"
-    err = relative_error(out, expected)
-    assert err < MAX_REL_ERR, f"{rank} {scheme_name}: relative error {err:.2e} against the reference"
+    err = relative_error(out.cpu(), expected)
+    assert err < MAX_REL_ERR, f"{rank} {scheme_name}: relative error {err:.2e} against the read rule's oracle"

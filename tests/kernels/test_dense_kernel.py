@@ -1,14 +1,17 @@
-"""The Triton dense K/V gather for prefill (kernels/dense.py) against the torch reference.
+"""The Triton dense K/V gather for prefill (kernels/dense.gather_dense_kv) against the torch reference.
 
-Each sequence's slice of the dense buffer must be ``[its cached prefix, dequantized as the reference reads it |
-its fresh key/value rows, copied exactly]``. Interpreter on CPU (fp16, ~30 s of CI), compiled on CUDA.
+Every token of each sequence, this step's included (the store has run), is read from the int4 cache as the
+reference reads it (reference.dequantize_sequence without a pool: full int4_kivi blocks per channel, the rest per
+token, un-rotated) into dense pages [pages, block_size, Hkv, D], sequence i's page p at cu_pages[i] + p, rows past a
+sequence's end 0. The own-block keys of int4_kivi's second pass: test_own_block_prefill.py. Interpreter on CPU
+(fp16), compiled on CUDA.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kv_batches import cache_with_prefix, dense_reference, make_paged_batch, scheme_head_dims, with_guard_blocks
+from kv_batches import cache_with_prefix, make_paged_batch, scheme_head_dims, with_guard_blocks
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.dense import gather_dense_kv
@@ -28,39 +31,48 @@ SCHEMES = {
 }
 # (context, q_len): fresh prefill, chunks over cached prefixes (one closes a KIVI block), decodes at block edges
 SPECS = [(0, 37), (200, 20), (100, 40), (127, 1), (256, 5)]
+SPARE_PAGES = 2  # pages past the last sequence's must stay untouched
+
+
+def gathered(batch, cache, scheme, seqs, head_dim):
+    """(dense_k, dense_v, cu_pages) of the sequences ``seqs`` (a contiguous slice of the batch)."""
+    seq_lens = batch.seq_lens[seqs[0] : seqs[-1] + 1]
+    bsz = batch.block_size
+    pages = -(-seq_lens // bsz)
+    cu_pages = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).int()
+    shape = (int(cu_pages[-1]) + SPARE_PAGES, bsz, batch.num_kv_heads, head_dim)
+    dense_k = torch.full(shape, float("nan"), dtype=torch.float16, device=cache.device)
+    dense_v = torch.full_like(dense_k, float("nan"))
+    gather_dense_kv(cache, batch.block_table[seqs[0] : seqs[-1] + 1], seq_lens, cu_pages, int(seq_lens.max()), scheme,
+                    dense_k, dense_v, head_dim)
+    return dense_k, dense_v, cu_pages
+
+
+def assert_gathered_as_the_reference_reads(batch, cache, scheme, seqs, head_dim, dense_k, dense_v, cu_pages):
+    assert torch.isnan(dense_k[-SPARE_PAGES:]).all() and torch.isnan(dense_v[-SPARE_PAGES:]).all(), (
+        "wrote past the last page")
+    for j, i in enumerate(seqs):
+        n = int(batch.seq_lens[i])
+        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], n, scheme, head_dim)
+        for name, dense, want in (("K", dense_k, k_hat), ("V", dense_v, v_hat)):
+            rows = dense[int(cu_pages[j]) : int(cu_pages[j + 1])].flatten(0, 1)
+            torch.testing.assert_close(rows[:n].float(), want, rtol=2e-3, atol=2e-3,
+                                       msg=lambda m: f"sequence {i} {name}: {m}")
+            assert (rows[n:] == 0).all(), f"sequence {i} {name}: rows past the end are not 0"
 
 
 @pytest.mark.parametrize("scheme_name,head_dim", scheme_head_dims(SCHEMES))
 @pytest.mark.parametrize("seqs", [range(len(SPECS)), range(1, 4)], ids=["whole batch", "slice of the batch"])
 def test_gather_dense_kv_matches_reference(gen, kernel_device, scheme_name, head_dim, seqs):
-    """A slice of the batch keeps absolute query_start_loc rows, as the backend passes its prefill part."""
+    """A slice of the batch, as the backend passes its prefill part."""
     scheme = SCHEMES[scheme_name]
     batch = make_paged_batch(gen, SPECS, 4, 2, block_size=128, dtype=torch.float16, device=kernel_device,
                              num_padding=2, head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)  # the backend stores first
     seqs = list(seqs)
-    seq_lens = batch.seq_lens[seqs[0] : seqs[-1] + 1]
-    cu_seqlens_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)]).int()
-    total = int(cu_seqlens_k[-1])
-    spare = 5  # rows past the last sequence must stay untouched
-    dense_k = torch.full((total + spare, 2, head_dim), float("nan"), dtype=torch.float16, device=kernel_device)
-    dense_v = torch.full_like(dense_k, float("nan"))
-    gather_dense_kv(batch.key, batch.value, cache, batch.block_table[seqs[0] : seqs[-1] + 1], seq_lens,
-                    batch.query_start_loc[seqs[0] : seqs[-1] + 2], cu_seqlens_k, int(seq_lens.max()), scheme,
-                    dense_k, dense_v)
-
-    assert torch.isnan(dense_k[total:]).all() and torch.isnan(dense_v[total:]).all(), "wrote past the last sequence"
-    ks, vs = dense_reference(batch, cache, scheme, seqs)
-    starts = batch.query_start_loc.tolist()
-    for j, i in enumerate(seqs):
-        rows = slice(int(cu_seqlens_k[j]), int(cu_seqlens_k[j + 1]))
-        q_len = starts[i + 1] - starts[i]
-        for name, got, want in (("K", dense_k[rows], ks[j]), ("V", dense_v[rows], vs[j])):
-            assert torch.equal(got[-q_len:], want[-q_len:].half()), (
-                f"sequence {i}: fresh {name} rows not copied exactly")
-            torch.testing.assert_close(got[:-q_len].float(), want[:-q_len], rtol=2e-3, atol=2e-3,
-                                       msg=lambda m: f"sequence {i}, cached {name} prefix: {m}")
+    assert_gathered_as_the_reference_reads(batch, cache, scheme, seqs, head_dim,
+                                           *gathered(batch, cache, scheme, seqs, head_dim))
 
 
 @pytest.mark.parametrize("scheme_name", ["kivi", "saw128", "saw64-rotv"])
@@ -75,12 +87,10 @@ def test_vectors_past_fp16_range_once_rotated_are_gathered_finite(gen, kernel_de
     batch.prefix_key, batch.prefix_value = batch.seq_keys[0][:200], batch.seq_values[0][:200]
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    dense_k = torch.full((220, 2, 128), float("nan"), dtype=torch.float16, device=kernel_device)
-    dense_v = torch.full_like(dense_k, float("nan"))
-    gather_dense_kv(batch.key, batch.value, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                    torch.tensor([0, 220], dtype=torch.int32, device=kernel_device), 220, scheme, dense_k, dense_v)
-    ks, vs = dense_reference(batch, cache, scheme, [0])
-    for name, got, want in (("K", dense_k, ks[0]), ("V", dense_v, vs[0])):
+    dense_k, dense_v, cu_pages = gathered(batch, cache, scheme, [0], 128)
+    k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[0], 220, scheme, 128)
+    dense_k, dense_v = (d[: int(cu_pages[1])].flatten(0, 1)[:220] for d in (dense_k, dense_v))
+    for name, got, want in (("K", dense_k, k_hat), ("V", dense_v, v_hat)):
         assert torch.isfinite(got).all(), f"{name}: {int((~torch.isfinite(got)).sum())} non-finite gathered values"
         torch.testing.assert_close(got[[5, 150], 1].float(), want[[5, 150], 1], rtol=2e-3, atol=0.5,
                                    msg=lambda m: f"{name}, the large rows: {m}")
@@ -94,15 +104,9 @@ def test_any_page_size_is_gathered_right_or_rejected(gen, kernel_device, block_s
                              device=kernel_device)
     cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    cu_seqlens_k = torch.cat([batch.seq_lens.new_zeros(1), batch.seq_lens.cumsum(0)]).int()
-    dense_k = torch.full((int(cu_seqlens_k[-1]), 2, 128), float("nan"), dtype=torch.float16, device=kernel_device)
-    dense_v = torch.full_like(dense_k, float("nan"))
     try:
-        gather_dense_kv(batch.key, batch.value, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                        cu_seqlens_k, int(batch.seq_lens.max()), scheme, dense_k, dense_v)
+        dense = gathered(batch, cache, scheme, [0, 1], 128)
     except ValueError as error:
         assert "block_size" in str(error)
         return
-    ks, vs = dense_reference(batch, cache, scheme, range(2))
-    torch.testing.assert_close(dense_k.float(), torch.cat(ks), rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(dense_v.float(), torch.cat(vs), rtol=2e-3, atol=2e-3)
+    assert_gathered_as_the_reference_reads(batch, cache, scheme, [0, 1], 128, *dense)

@@ -4,7 +4,8 @@ Qwen2.5-7B attention shape (28 query heads, 4 KV heads, head_dim 128) and Llama-
 heads, head_dim 64), contexts 1k-8k, up to 64 sequences, bf16 and fp16. Checks: store bytes against the reference,
 attention against the reference, attention against attention over the unquantized K/V (the quality cost of each
 scheme; ``pytest -s`` prints the table, and with ``$OUT`` set it is also written to ``$OUT/kernel_errors.md``), and
-CUDA-graph capture/replay of store+attention giving exactly the eager result. About two minutes on an H200 per head
+CUDA-graph capture/replay of store+attention giving exactly the eager result. int4_kivi's attention under the read
+rule (its own block from the original keys) at real sizes: test_own_block_gpu.py. About two minutes on an H200 per head
 shape, most of it the torch reference.
 """
 
@@ -22,7 +23,6 @@ from kv_batches import (
     assert_caches_match,
     cache_and_pool_with_prefix,
     cache_with_prefix,
-    dense_reference,
     make_paged_batch,
     relative_error,
     unquantized_attention,
@@ -33,7 +33,7 @@ from s4kv.kernels.attention import (CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, S
                                     paged_attention)
 from s4kv.kernels.dense import gather_dense_kv
 from s4kv.kernels.scheme import Int4Scheme
-from s4kv.kernels.store import store_kv
+from s4kv.kernels.store import stage_open_keys, store_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -133,6 +133,8 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
     assert_caches_match(cache, expected_cache, before, batch.slot_mapping, scheme, head_dim=head_dim)
     mismatch = code_mismatch(cache, expected_cache, before, head_dim)
     del expected_cache, before
+    if scheme.is_kivi:
+        return  # its attention reads the staging pool and the step's keys: test_own_block_gpu.py
 
     workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda", scheme.name) \
         if batch.max_query_len == 1 else None
@@ -163,7 +165,8 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
 @pytest.mark.parametrize("scheme_name,shape", SCHEME_SHAPES)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_dense_prefill_gather_at_real_sizes(request, dtype_name, scheme_name, shape):
-    """Prefill chunks over 2k-6k cached prefixes: the dense buffer is the reference's prefix + the exact chunk."""
+    """Prefill chunks over 2k-6k cached prefixes, stored: every token's K/V in the dense pages as the reference reads
+    it from the cache (without a pool: full int4_kivi blocks per channel)."""
     scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
     num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
     gen = gpu_gen(request)
@@ -172,72 +175,19 @@ def test_dense_prefill_gather_at_real_sizes(request, dtype_name, scheme_name, sh
                              head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, "cuda")
     store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    cu_seqlens_k = torch.cat([batch.seq_lens.new_zeros(1), batch.seq_lens.cumsum(0)]).int()
-    dense_k = torch.full((int(cu_seqlens_k[-1]), num_kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
+    pages = -(-batch.seq_lens // 128)
+    cu_pages = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).int()
+    dense_k = torch.full((int(cu_pages[-1]), 128, num_kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
     dense_v = torch.full_like(dense_k, float("nan"))
-    gather_dense_kv(batch.key, batch.value, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                    cu_seqlens_k, int(batch.seq_lens.max()), scheme, dense_k, dense_v)
-    ks, vs = dense_reference(batch, cache, scheme, range(len(specs)))
+    gather_dense_kv(cache, batch.block_table, batch.seq_lens, cu_pages, int(batch.seq_lens.max()), scheme, dense_k,
+                    dense_v, head_dim)
     tol = {"bf16": 1e-2, "fp16": 2e-3}[dtype_name]  # one rounding of the dequantized value to the dense dtype
-    for i, (k, v) in enumerate(zip(ks, vs)):
-        rows = slice(int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1]))
-        torch.testing.assert_close(dense_k[rows].float(), k, rtol=tol, atol=tol, msg=lambda m: f"seq {i} K: {m}")
-        torch.testing.assert_close(dense_v[rows].float(), v, rtol=tol, atol=tol, msg=lambda m: f"seq {i} V: {m}")
-
-
-@pytest.mark.parametrize("codes", list(CODE_PATHS))
-@pytest.mark.parametrize("kind", ["mixed", "decode64"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_kivi_open_blocks_read_from_the_staging_pool_at_real_sizes(request, error_table, dtype_name, shape, kind,
-                                                                   codes):
-    """int4_kivi with its staging pool (the Triton store writes it): attention and, for the prefill chunks, the
-    dense gather read each sequence's open block from the pool; against the reference and bf16 attention."""
-    dtype = DTYPES[dtype_name]
-    num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
-    softmax_scale = head_dim**-0.5
-    gen = gpu_gen(request)
-    batch = make_paged_batch(gen, batch_specs(kind, gen), num_q_heads, num_kv_heads, block_size=128, dtype=dtype,
-                             device="cuda", num_padding=8, head_dim=head_dim)
-    cache, pool = cache_and_pool_with_prefix(batch, gen, "cuda")
-    kivi = SCHEMES["kivi"]
-    store_kv(batch.key, batch.value, cache, batch.slot_mapping, kivi, pool.staged_keys, pool.per_token(batch))
-    decode = batch.max_query_len == 1
-    launch = dataclasses.replace(DECODE_LAUNCH[kivi.name] if decode else PREFILL_LAUNCH, **CODE_PATHS[codes])
-    if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
-        pytest.skip("the subnormal codes are refused at this head_dim (test_store_and_attention_at_real_sizes)")
-    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda", kivi.name) if decode else None
-    out = torch.full_like(batch.query, float("nan"))
-    paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                    batch.max_query_len, softmax_scale, kivi, out, workspace=workspace, launch=launch,
-                    staged_keys=pool.staged_keys, sequence_slots=pool.sequence_slots)
-    assert not torch.isnan(out).any(), "NaN in the attention output"
-    expected = ref.paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                                   softmax_scale, kivi, pool.staged_keys, pool.sequence_slots)
-    kernel_err = relative_error(out, expected)
-    baseline = bf16_attention(batch, softmax_scale)
-    quant_err = relative_error(out, baseline)
-    error_table.append(f"| {shape} | {dtype_name} | kivi + pool | {codes} | "
-                       f"{kind} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
-                       f"| {kernel_err:.2e} | {quant_err:.3f} | - | - |")
-    assert kernel_err < MAX_KERNEL_ERR[dtype_name], f"kernel vs reference {kernel_err:.2e}"
-    assert quant_err < MAX_QUANT_ERR, f"kernel vs unquantized bf16 attention {quant_err:.3f}"
-    if decode or codes != "biased":
-        return
-    prefill = [i for i, (_, q_len) in enumerate(batch.specs) if q_len > 1]
-    seq_lens = batch.seq_lens[prefill[0]:]
-    cu_seqlens_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)]).int()
-    dense_k = torch.full((int(cu_seqlens_k[-1]), num_kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
-    dense_v = torch.full_like(dense_k, float("nan"))
-    gather_dense_kv(batch.key, batch.value, cache, batch.block_table[prefill[0]:], seq_lens,
-                    batch.query_start_loc[prefill[0]:], cu_seqlens_k, int(seq_lens.max()), kivi, dense_k, dense_v,
-                    pool.staged_keys, pool.sequence_slots[prefill[0]:])
-    ks, vs = dense_reference(batch, cache, kivi, prefill, pool)
-    tol = {"bf16": 1e-2, "fp16": 2e-3}[dtype_name]
-    for j, (k, v) in enumerate(zip(ks, vs)):
-        rows = slice(int(cu_seqlens_k[j]), int(cu_seqlens_k[j + 1]))
-        torch.testing.assert_close(dense_k[rows].float(), k, rtol=tol, atol=tol, msg=lambda m: f"seq {j} K: {m}")
-        torch.testing.assert_close(dense_v[rows].float(), v, rtol=tol, atol=tol, msg=lambda m: f"seq {j} V: {m}")
+    for i in range(len(specs)):
+        n = int(batch.seq_lens[i])
+        k, v = ref.dequantize_sequence(cache, batch.block_table[i], n, scheme, head_dim)
+        for name, dense, want in (("K", dense_k, k), ("V", dense_v, v)):
+            rows = dense[int(cu_pages[i]) : int(cu_pages[i + 1])].flatten(0, 1)[:n]
+            torch.testing.assert_close(rows.float(), want, rtol=tol, atol=tol, msg=lambda m: f"seq {i} {name}: {m}")
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -253,44 +203,63 @@ def test_cuda_graph_replay_of_store_and_attention_matches_eager(request, scheme_
     specs += [(126, 2), (127, 2), (1022, 2), (3000, 2)]
     batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=128, dtype=torch.bfloat16,
                              device="cuda", head_dim=head_dim)
-    cache0 = cache_with_prefix(batch, scheme, gen, "cuda")
+    if scheme.is_kivi:  # the staging pool holds each prefix's open block; one slot per sequence throughout
+        cache0, pool = cache_and_pool_with_prefix(batch, gen, "cuda")
+        pool0, store_slots = pool.staged_keys, torch.tensor(pool.store_slots, dtype=torch.int32, device="cuda")
+    else:
+        cache0, pool0 = cache_with_prefix(batch, scheme, gen, "cuda"), None
     steps = []
     for step in range(2):  # rows of the batch that belong to decode step `step`
         rows = batch.query_start_loc[:-1].long() + step
+        seq_lens = (batch.seq_lens - 1 + step).int()
         steps.append(dict(
             query=batch.query[rows].contiguous(), key=batch.key[rows].contiguous(),
             value=batch.value[rows].contiguous(), slot_mapping=batch.slot_mapping[rows].contiguous(),
-            seq_lens=(batch.seq_lens - 1 + step).int(),
+            seq_lens=seq_lens,
         ))
+        if scheme.is_kivi:  # the slot of the block the step starts in (staging.py: one per sequence here)
+            steps[-1]["sequence_slots"] = store_slots
     num_seqs = len(specs)
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
     workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda", scheme.name)
 
-    def decode_step(inputs, cache, out):
-        store_kv(inputs["key"], inputs["value"], cache, inputs["slot_mapping"], scheme)
+    def decode_step(inputs, cache, pool, out):
+        """As the backend runs a step: the store, attention, then (int4_kivi) the open blocks' keys staged."""
+        staging = {} if pool is None else dict(staged_keys=pool, staging_slots=store_slots, stage=False)
+        store_kv(inputs["key"], inputs["value"], cache, inputs["slot_mapping"], scheme, **staging)
+        own_block = {} if pool is None else dict(new_keys=inputs["key"], staged_keys=pool,
+                                                 sequence_slots=inputs["sequence_slots"])
         paged_attention(inputs["query"], cache, batch.block_table, inputs["seq_lens"], query_start_loc, 1,
-                        head_dim**-0.5, scheme, out, workspace=workspace)
+                        head_dim**-0.5, scheme, out, workspace=workspace, **own_block)
+        if pool is not None:
+            stage_open_keys(inputs["key"], inputs["slot_mapping"], pool, store_slots)
+
+    def clone(pool):
+        return None if pool is None else pool.clone()
 
     # eager: step 0 then step 1
-    eager_cache, eager_out = cache0.clone(), []
+    eager_cache, eager_pool, eager_out = cache0.clone(), clone(pool0), []
     for inputs in steps:
         eager_out.append(torch.full_like(inputs["query"], float("nan")))
-        decode_step(inputs, eager_cache, eager_out[-1])
+        decode_step(inputs, eager_cache, eager_pool, eager_out[-1])
+    assert not torch.isnan(eager_out[1]).any(), "NaN in the eager attention output"
     eager_cache_after_0 = cache0.clone()
-    decode_step(steps[0], eager_cache_after_0, torch.empty_like(eager_out[0]))
+    decode_step(steps[0], eager_cache_after_0, clone(pool0), torch.empty_like(eager_out[0]))
 
     static = {name: t.clone() for name, t in steps[0].items()}
-    static_cache, static_out = cache0.clone(), torch.empty_like(eager_out[0])
+    static_cache, static_pool, static_out = cache0.clone(), clone(pool0), torch.empty_like(eager_out[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and warm up outside the capture
-        decode_step(static, static_cache, static_out)
+        decode_step(static, static_cache, static_pool, static_out)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode_step(static, static_cache, static_out)
+        decode_step(static, static_cache, static_pool, static_out)
 
     static_cache.copy_(cache0)
+    if pool0 is not None:
+        static_pool.copy_(pool0)
     for step, inputs in enumerate(steps):
         for name, t in inputs.items():
             static[name].copy_(t)
@@ -314,7 +283,13 @@ def test_kernels_address_pages_past_4_gib(request, scheme_name):
     specs += [(2000, 300), (0, 700)]
     batch = make_paged_batch(gen, specs, NUM_Q_HEADS, NUM_KV_HEADS, block_size=128, dtype=torch.bfloat16,
                              device="cuda")
-    small = cache_with_prefix(batch, scheme, gen, "cuda")
+    if scheme.is_kivi:  # with its staging pool, as the engine runs it: one copy per cache
+        small, pool = cache_and_pool_with_prefix(batch, gen, "cuda")
+        staging = dict(staged_keys=pool.staged_keys, staging_slots=pool.per_token(batch), stage=False)
+        big_staging = dict(staging, staged_keys=pool.staged_keys.clone())
+        slots = torch.tensor(pool.store_slots, dtype=torch.int32, device="cuda")
+    else:
+        small, staging, big_staging = cache_with_prefix(batch, scheme, gen, "cuda"), {}, {}
     page_bytes = small[0].numel()
     big_blocks = (2**32 + 2**29) // page_bytes + 1
     # compact block b lives at big block remap[b]: a random spread over the whole 4.6 GB, the null block too
@@ -329,20 +304,25 @@ def test_kernels_address_pages_past_4_gib(request, scheme_name):
         pages = big_table[seq, : -(-int(batch.seq_lens[seq]) // 128)].long() * page_bytes
         return f"seq {seq}: pages at {pages.min() / 2**30:.2f}-{pages.max() / 2**30:.2f} GiB"
 
-    store_kv(batch.key, batch.value, small, batch.slot_mapping, scheme)
-    store_kv(batch.key, batch.value, big, big_slots, scheme)
+    store_kv(batch.key, batch.value, small, batch.slot_mapping, scheme, **staging)
+    store_kv(batch.key, batch.value, big, big_slots, scheme, **big_staging)
     differing_pages = (big[remap] != small).flatten(1).any(1).nonzero().flatten()
     assert not len(differing_pages), "store wrote other bytes at pages " + ", ".join(
         f"{int(remap[b]) * page_bytes / 2**30:.2f} GiB" for b in differing_pages[:10])
 
-    def attention(cache, table):
+    def own_block(pool_of, rows=slice(None)):
+        if not scheme.is_kivi:
+            return {}
+        return dict(new_keys=batch.key, staged_keys=pool_of["staged_keys"], sequence_slots=slots[rows])
+
+    def attention(cache, table, pool_of):
         out = torch.full_like(batch.query, float("nan"))
         paged_attention(batch.query, cache, table, batch.seq_lens, batch.query_start_loc, batch.max_query_len,
-                        SOFTMAX_SCALE, scheme, out)
+                        SOFTMAX_SCALE, scheme, out, **own_block(pool_of))
         return out
 
     # the mixed batch (prefill path), then its 24 decode rows alone (split-KV path)
-    expected, actual = attention(small, batch.block_table), attention(big, big_table)
+    expected, actual = attention(small, batch.block_table, staging), attention(big, big_table, big_staging)
     starts = batch.query_start_loc.tolist()
     wrong = [s for s in range(len(specs))
              if not torch.equal(actual[starts[s]:starts[s + 1]], expected[starts[s]:starts[s + 1]])]
@@ -351,22 +331,23 @@ def test_kernels_address_pages_past_4_gib(request, scheme_name):
     workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, 128, "cuda", scheme.name)
     qsl = torch.arange(25, dtype=torch.int32, device="cuda")
     outs = []
-    for cache, table in ((small, batch.block_table), (big, big_table)):
+    for cache, table, pool_of in ((small, batch.block_table, staging), (big, big_table, big_staging)):
         out = torch.full_like(batch.query[decode], float("nan"))
         paged_attention(batch.query[decode], cache, table[decode], batch.seq_lens[decode], qsl, 1, SOFTMAX_SCALE,
-                        scheme, out, workspace=workspace)
+                        scheme, out, workspace=workspace, **own_block(pool_of, decode))
         outs.append(out)
     wrong = [s for s in range(24) if not torch.equal(outs[0][s], outs[1][s])]
     assert not wrong, "split-KV decode differs for " + "; ".join(page_offsets(s) for s in wrong[:6])
 
-    cu_seqlens_k = torch.cat([batch.seq_lens.new_zeros(1), batch.seq_lens.cumsum(0)]).int()
+    pages = -(-batch.seq_lens // 128)
+    cu_pages = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).int()
     dense = []
     for cache, table in ((small, batch.block_table), (big, big_table)):
-        dense_k = torch.full((int(cu_seqlens_k[-1]), NUM_KV_HEADS, 128), float("nan"), dtype=torch.bfloat16,
+        dense_k = torch.full((int(cu_pages[-1]), 128, NUM_KV_HEADS, 128), float("nan"), dtype=torch.bfloat16,
                              device="cuda")
         dense_v = torch.full_like(dense_k, float("nan"))
-        gather_dense_kv(batch.key, batch.value, cache, table, batch.seq_lens, batch.query_start_loc, cu_seqlens_k,
-                        int(batch.seq_lens.max()), scheme, dense_k, dense_v)
+        gather_dense_kv(cache, table, batch.seq_lens, cu_pages, int(batch.seq_lens.max()), scheme, dense_k, dense_v,
+                        128)
         dense.append((dense_k, dense_v))
     assert torch.equal(dense[0][0], dense[1][0]) and torch.equal(dense[0][1], dense[1][1]), "dense gather differs"
 

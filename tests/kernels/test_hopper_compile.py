@@ -23,7 +23,8 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     # attention 4 code paths x (split decode, plain decode, prefill), merge 4 x 1, store 2 (K, V) + KIVI close, dense
     # gather 1; at head_dim 64 the default code path only: attention 3, merge 1, store 2 + KIVI close, dense 1; and
     # per head_dim and dtype, KIVI's store again with a staging pool: K, V, the staged close and the staging copy;
-    # and KIVI's attention (the backend's launches: 3, merge 1) and dense gather (1) again, reading that pool
+    # and KIVI's attention again (the backend's launches: 3, merge 1), reading that pool, and its own-key gather (1)
     assert launches == {"_paged_attention_kernel": 72 + 18 + 12, "_merge_splits_kernel": 24 + 6 + 4,
                         "_store_per_token_kernel": 12 + 12 + 8, "_kivi_close_kernel": 2 + 2 + 4,
-                        "_kivi_stage_kernel": 4, "_gather_dense_kernel": 6 + 6 + 4}, launches
+                        "_kivi_stage_kernel": 4, "_gather_dense_kernel": 6 + 6,
+                        "_gather_own_keys_kernel": 4}, launches

@@ -285,8 +285,16 @@ def s4kv_decode_call(scheme, problem: DecodeProblem, cache: torch.Tensor, block_
     from s4kv.kernels.attention import paged_attention
 
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
+    own_block = {}
+    if scheme.is_kivi:  # the own block from the original keys: this step's key and a staging-pool slot per sequence
+        batch, device = problem.batch, problem.device
+        own_block = dict(
+            new_keys=torch.randn(batch, problem.num_kv_heads, HEAD_DIM, dtype=problem.query.dtype, device=device),
+            staged_keys=torch.randn(batch, problem.num_kv_heads, S4KV_BLOCK_SIZE, HEAD_DIM, dtype=problem.query.dtype,
+                                    device=device),
+            sequence_slots=torch.arange(batch, dtype=torch.int32, device=device))
     return lambda: paged_attention(problem.query, cache, block_table, seq_lens, cu_q, 1, HEAD_DIM ** -0.5, scheme,
-                                   out, workspace=workspace, launch=launch)
+                                   out, workspace=workspace, launch=launch, **own_block)
 
 
 def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, block_table: torch.Tensor,

@@ -1,8 +1,9 @@
-"""Prefill / chunked-prefill attention on the H200: s4kv (the fused int4 kernel, and the backend's prefill path:
-int4 prefix gathered into a dense bf16 buffer with the fresh tokens, then FA3) against vLLM's FA3 on a bf16
+"""Prefill / chunked-prefill attention on the H200: s4kv (the fused int4 kernel, and the backend's prefill path,
+runtime/plugin/backend.flash_prefill: every token's K/V gathered from the int4 cache into dense bf16 pages, then FA3,
+one causal pass for int4_saw, two passes merged by log-sum-exp for int4_kivi) against vLLM's FA3 on a bf16
 paged cache. One call, about a minute; then long prompts (32k-128k tokens) prefilled chunk by chunk as vLLM's
 chunked prefill schedules them, where each chunk reads the whole prefix before it: the total attention time of
-the prompt, FA3 on bf16 against our dense gather + FA3, per chunk and summed.
+the prompt, FA3 on bf16 against our dense gather + FA3 pass(es), per chunk and summed.
 
 python tools/device/bench_prefill.py [--prompts 32768,65536,131072] [--chunk 8192]   (needs vLLM 0.26.0's
 vllm_flash_attn, e.g. from shared/devicekit); writes $OUT/bench_prefill.json and $OUT/bench_prefill_chunked.json
@@ -19,7 +20,7 @@ import torch
 import triton
 
 from s4kv.kernels.attention import paged_attention
-from s4kv.kernels.dense import gather_dense_kv
+from s4kv.kernels.prefill_plan import PAGE, plan_prefill_passes
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
 
@@ -37,6 +38,27 @@ def flops(n, prefix, q_len):
     return 4 * n * HQ * D * q_len * (prefix + (q_len + 1) / 2)
 
 
+def backend_prefill(scheme, q, new_keys, cache, block_table, seq_lens, cu_q, out):
+    """The backend's FlashAttention prefill of these sequences as a call (plan and dense pages made once, as the
+    builder makes them per step). The benchmark's chunks start on block boundaries: int4_kivi reads no pool row."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    from s4kv.runtime.plugin.backend import PrefillPlan, flash_prefill
+
+    q_lens = (cu_q[1:] - cu_q[:-1]).cpu()
+    passes = plan_prefill_passes(seq_lens.cpu(), q_lens, scheme.is_kivi)
+    dense_k = torch.empty(passes.num_pages, PAGE, HKV, D, dtype=q.dtype, device=q.device)
+    plan = PrefillPlan(num_decodes=0, num_decode_tokens=0, decode_max_query_len=0, cu_pages=passes.cu_pages.cuda(),
+                       passes=tuple(p.to("cuda") for p in passes.passes), max_query_len=int(q_lens.max()),
+                       max_seq_len=int(seq_lens.max()), dense_k=dense_k, dense_v=torch.empty_like(dense_k),
+                       fa_version=get_flash_attn_version())
+    own_block = {}
+    if scheme.is_kivi:
+        own_block = dict(new_keys=new_keys, staged_keys=torch.zeros(1, HKV, PAGE, D, dtype=q.dtype, device=q.device),
+                         sequence_slots=torch.full_like(seq_lens, -1))
+    return lambda: flash_prefill(q, cache, block_table, seq_lens, cu_q, plan, scheme, SCALE, D, out, **own_block)
+
+
 def bench_cases():
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
@@ -49,7 +71,7 @@ def bench_cases():
         q = torch.randn(n * q_len, HQ, D, device=dev, dtype=torch.bfloat16)
         pos = torch.arange(ctx, device=dev)
         new = (pos >= prefix).repeat(n)
-        k_new, v_new = k[new], v[new]
+        k_new = k[new]
         seq_lens = torch.full((n,), ctx, dtype=torch.int32, device=dev)
         cu_q = torch.arange(0, n * q_len + 1, q_len, dtype=torch.int32, device=dev)
         out = torch.empty_like(q)
@@ -75,19 +97,12 @@ def bench_cases():
             scheme = Int4Scheme(name)
             cache = torch.empty(n * pages, HKV, 128 * 136, dtype=torch.uint8, device=dev)
             store_kv(k, v, cache, slots, scheme)
-            fused = lambda: paged_attention(q, cache, bt, seq_lens, cu_q, q_len, SCALE, scheme, out)
+            own_block = dict(new_keys=k_new, staged_keys=torch.zeros(1, HKV, PAGE, D, dtype=q.dtype, device=dev),
+                             sequence_slots=torch.full_like(seq_lens, -1)) if scheme.is_kivi else {}
+            fused = lambda: paged_attention(q, cache, bt, seq_lens, cu_q, q_len, SCALE, scheme, out, **own_block)
             timings[f"s4kv_{name}_fused"] = triton.testing.do_bench(fused, warmup=10, rep=50, return_mode="median")
             err_fused = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
-            dense_k = torch.empty(n * ctx, HKV, D, device=dev, dtype=torch.bfloat16)
-            dense_v = torch.empty_like(dense_k)
-            cu_k = torch.arange(0, n * ctx + 1, ctx, dtype=torch.int32, device=dev)
-
-            def split():
-                gather_dense_kv(k_new, v_new, cache, bt, seq_lens, cu_q, cu_k, ctx, scheme, dense_k, dense_v)
-                flash_attn_varlen_func(
-                    q=q, k=dense_k, v=dense_v, out=out, cu_seqlens_q=cu_q, max_seqlen_q=q_len, cu_seqlens_k=cu_k,
-                    max_seqlen_k=ctx, softmax_scale=SCALE, causal=True, fa_version=3)
-
+            split = backend_prefill(scheme, q, k_new, cache, bt, seq_lens, cu_q, out)
             timings[f"s4kv_{name}_dense_fa3"] = triton.testing.do_bench(split, warmup=10, rep=50, return_mode="median")
             err_split = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
             print(f"  {name}: rel err vs bf16: fused {err_fused:.3f} dense+fa3 {err_split:.3f}", flush=True)
@@ -105,7 +120,7 @@ def bench_cases():
 def bench_chunked(prompt_len: int, chunk: int) -> list[dict]:
     """One prompt of prompt_len tokens prefilled chunk by chunk: chunk i attends to the i * chunk tokens before it
     (from the cache) and to itself, causally. Per chunk: FA3 over vLLM's bf16 paged cache against our backend's
-    path (the int4 prefix gathered into a dense buffer with the chunk's fresh K/V, then FA3)."""
+    path (runtime/plugin/backend.flash_prefill over dense pages gathered from the int4 cache)."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     dev = "cuda"
@@ -127,8 +142,6 @@ def bench_chunked(prompt_len: int, chunk: int) -> list[dict]:
         for first in range(0, prompt_len, chunk):  # as the prefill stores it, one chunk at a time
             store_kv(k[first:first + chunk], v[first:first + chunk], cache, slots[first:first + chunk], scheme)
         caches[name] = (scheme, cache)
-    dense_k = torch.empty(prompt_len, HKV, D, device=dev, dtype=torch.bfloat16)
-    dense_v = torch.empty_like(dense_k)
     rows = []
     for start in range(0, prompt_len, chunk):
         q_len = min(chunk, prompt_len - start)
@@ -137,19 +150,12 @@ def bench_chunked(prompt_len: int, chunk: int) -> list[dict]:
         out = torch.empty_like(q)
         cu_q = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
         seq_lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
-        cu_k = torch.tensor([0, ctx], dtype=torch.int32, device=dev)
         timings = {"fa3_bf16_paged": triton.testing.do_bench(lambda: flash_attn_varlen_func(
             q=q, k=kc, v=vc, out=out, cu_seqlens_q=cu_q, max_seqlen_q=q_len, seqused_k=seq_lens, max_seqlen_k=ctx,
             softmax_scale=SCALE, causal=True, block_table=bt16, fa_version=3), warmup=5, rep=20, return_mode="median")}
         ref_out = out.float()
         for name, (scheme, cache) in caches.items():
-            def dense_fa3():
-                gather_dense_kv(k[start:ctx], v[start:ctx], cache, bt, seq_lens, cu_q, cu_k, ctx, scheme, dense_k,
-                                dense_v)
-                flash_attn_varlen_func(
-                    q=q, k=dense_k, v=dense_v, out=out, cu_seqlens_q=cu_q, max_seqlen_q=q_len, cu_seqlens_k=cu_k,
-                    max_seqlen_k=ctx, softmax_scale=SCALE, causal=True, fa_version=3)
-
+            dense_fa3 = backend_prefill(scheme, q, k[start:ctx], cache, bt, seq_lens, cu_q, out)
             timings[f"s4kv_{name}_dense_fa3"] = triton.testing.do_bench(dense_fa3, warmup=5, rep=20,
                                                                          return_mode="median")
             err = float((out.float() - ref_out).norm() / ref_out.norm())

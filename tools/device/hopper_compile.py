@@ -4,9 +4,9 @@ The Triton interpreter that CI runs the kernels under executes Python, so it can
 compiler rejects (a kernel that runs in the interpreter but does not compile: an early return of one dtype inside
 a constexpr `if` beside another did exactly that). Triton compiles for sm_90 on any machine (ptxas ships in the
 wheel), so this module swaps in a driver that names a Hopper target and makes every launch compile-only, then calls
-the real wrappers (``paged_attention``, ``store_kv``, ``gather_dense_kv``) on small CPU tensors in every
-configuration the backend uses. The kernels are specialized exactly as on the GPU (argument types, 16-byte
-alignment of pointers and strides, constexprs, warps and stages); nothing runs.
+the real wrappers (``paged_attention``, ``store_kv``, ``gather_dense_kv``, ``gather_own_keys``) on small CPU
+tensors in every configuration the backend uses. The kernels are specialized exactly as on the GPU (argument
+types, 16-byte alignment of pointers and strides, constexprs, warps and stages); nothing runs.
 
     python tools/device/hopper_compile.py          # compile them all; prints one line per kernel variant
 
@@ -91,7 +91,7 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
     at head_dim 64 the backend's own launches; int4_kivi's store, and its attention and dense gather with the
     backend's own launches, also with a staging pool (kernels/staging.py)."""
     from s4kv.kernels import attention
-    from s4kv.kernels.dense import gather_dense_kv
+    from s4kv.kernels.dense import gather_dense_kv, gather_own_keys
     from s4kv.kernels.layout import KIVI_BLOCK_SIZE, cache_shape
     from s4kv.kernels.scheme import Int4Scheme
     from s4kv.kernels.store import store_kv
@@ -108,14 +108,15 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
         store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme)
         # head_dim 64: the backend's own launches (launch=None), which pick the code path that head_dim allows
         code_paths = attention.CODE_PATHS.values() if head_dim == 128 else [None]
-        stagings = [{}]  # what attention and the dense gather read beside the cache: nothing, or int4_kivi's pool
-        launches = [(code_path, {}) for code_path in code_paths]
+        # what attention reads beside the cache: int4_kivi the step's keys, without and with its pool
+        new_keys = {"new_keys": torch.zeros(20, num_kv_heads, head_dim, dtype=dtype)} if scheme.is_kivi else {}
+        launches = [(code_path, new_keys) for code_path in code_paths]
         if scheme.is_kivi:
             pool = torch.zeros(num_seqs, num_kv_heads, block_size, head_dim, dtype=dtype)
             store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme, staged_keys=pool,
                      staging_slots=torch.zeros(5, dtype=torch.int64))
-            stagings.append({"staged_keys": pool, "sequence_slots": torch.arange(num_seqs, dtype=torch.int32)})
-            launches.append((None, stagings[-1]))  # with the backend's launches only: each variant costs CI time
+            pooled = dict(new_keys, staged_keys=pool, sequence_slots=torch.arange(num_seqs, dtype=torch.int32))
+            launches.append((None, pooled))  # with the backend's launches only: each variant costs CI time
         for code_path, staging in launches:
             decode_launch = None if code_path is None else replace(attention.DECODE_LAUNCH[scheme.name], **code_path)
             prefill_launch = None if code_path is None else replace(attention.PREFILL_LAUNCH, **code_path)
@@ -129,13 +130,12 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             prefill_qsl = torch.tensor([0, 3, 20], dtype=torch.int32)
             attention.paged_attention(q, cache, block_table, seq_lens, prefill_qsl, 17, 0.1, scheme,
                                       torch.empty_like(q), workspace=workspace, launch=prefill_launch, **staging)
-        for staging in stagings:
-            dense = torch.empty(int(seq_lens.sum()), num_kv_heads, head_dim, dtype=dtype)
-            cu_k = torch.tensor([0, 300, 317], dtype=torch.int32)
-            gather_dense_kv(torch.zeros(20, num_kv_heads, head_dim, dtype=dtype),
-                            torch.zeros(20, num_kv_heads, head_dim, dtype=dtype), cache, block_table, seq_lens,
-                            torch.tensor([0, 3, 20], dtype=torch.int32), cu_k, 300, scheme, dense,
-                            torch.empty_like(dense), **staging)
+        dense = torch.empty(4, block_size, num_kv_heads, head_dim, dtype=dtype)
+        cu_pages = torch.tensor([0, 3, 4], dtype=torch.int32)
+        gather_dense_kv(cache, block_table, seq_lens, cu_pages, 300, scheme, dense, torch.empty_like(dense), head_dim)
+        if scheme.is_kivi:
+            gather_own_keys(new_keys["new_keys"], pool, pooled["sequence_slots"], seq_lens,
+                            torch.tensor([0, 3, 20], dtype=torch.int32), cu_pages, 17, dense)
 
 
 def main() -> int:

@@ -57,6 +57,15 @@ CLASSES = {
 }
 
 
+def own_block_inputs(scheme: Int4Scheme, num_seqs: int, dtype: torch.dtype) -> dict:
+    """int4_kivi's decode as the backend launches it: the step's keys and the staging pool (the own-block tile)."""
+    if not scheme.is_kivi:
+        return {}
+    return dict(new_keys=torch.zeros(num_seqs, NUM_KV_HEADS, HEAD_DIM, dtype=dtype),
+                staged_keys=torch.zeros(num_seqs, NUM_KV_HEADS, KIVI_BLOCK_SIZE, HEAD_DIM, dtype=dtype),
+                sequence_slots=torch.arange(num_seqs, dtype=torch.int32))
+
+
 def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.LaunchConfig):
     """The split-KV decode kernel (hopper_compile.Compiled) exactly as paged_attention launches it (block 128,
     GQA 7)."""
@@ -68,7 +77,7 @@ def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.Lau
             q, cache, torch.zeros(num_seqs, 4, dtype=torch.int32), torch.ones(num_seqs, dtype=torch.int32),
             torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, scheme, torch.empty_like(q),
             workspace=attention.SplitWorkspace.allocate(num_q_heads, NUM_KV_HEADS, HEAD_DIM, "cpu", scheme.name),
-            launch=launch)
+            launch=launch, **own_block_inputs(scheme, num_seqs, dtype))
     (kernel,) = [c for c in compiled if c.kernel == "_paged_attention_kernel"]
     return kernel
 

@@ -68,6 +68,16 @@ def make_case(batch, ctx, q_len, device, dtype=torch.bfloat16):
     return cache, bt, seq_lens, qsl, q
 
 
+def own_block_inputs(scheme, batch, q, device) -> dict:
+    """int4_kivi reads each query's own block from the original keys: the step's keys and a staging-pool slot per
+    sequence, as the backend passes them."""
+    if not scheme.is_kivi:
+        return {}
+    return dict(new_keys=torch.randn(q.shape[0], HKV, 128, device=device, dtype=q.dtype),
+                staged_keys=torch.randn(batch, HKV, BLOCK, 128, device=device, dtype=q.dtype),
+                sequence_slots=torch.arange(batch, dtype=torch.int32, device=device))
+
+
 def cuda_median_ms(fn) -> float:
     import triton
 
@@ -87,6 +97,7 @@ def run_sweep(sweep: Sweep, device, time_ms=cuda_median_ms, dtype=torch.bfloat16
                 batch, ctx = case[:2]
                 q_len = case[2] if kind == "prefill" else 1
                 cache, bt, sl, qsl, q = make_case(batch, ctx, q_len, device, dtype)
+                own_block = own_block_inputs(scheme, batch, q, device)
                 out = torch.empty_like(q)
                 ws = SplitWorkspace.allocate(HQ, HKV, 128, device, None if num_splits else scheme_name,
                                              max_num_seqs=batch, num_splits=num_splits) \
@@ -94,7 +105,8 @@ def run_sweep(sweep: Sweep, device, time_ms=cuda_median_ms, dtype=torch.bfloat16
                 expected = None  # the first config's output (the default code path): every other must match it
                 for codes, cfg in grid:
                     try:
-                        ms = time_ms(lambda: paged_attention(q, cache, bt, sl, qsl, q_len, 0.088, scheme, out, ws, cfg))
+                        ms = time_ms(lambda: paged_attention(q, cache, bt, sl, qsl, q_len, 0.088, scheme, out, ws, cfg,
+                                                             **own_block))
                     except Exception as exc:  # out of shared memory / registers, or a path this machine lacks
                         print(f"skip {codes} {cfg}: {type(exc).__name__}: {exc}", flush=True)
                         continue

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The read rule on the lent H200 in one call (under 8 minutes): its GPU tests, then decode attention timed against
+# FA3 bf16 in the same run (the rule must cost no decode speed), then the FlashAttention prefill (int4_kivi's two
+# passes against int4_saw's one and FA3 bf16) at 8k and 32k. Each part is bounded and prints its bound.
+# device run, carry [".vlb"], timeout_s 600:  bash tools/device/ownread_gpu.sh
+# Back in $OUT: ownread_tests.log, kernels.{json,md}, kernels.log, bench_prefill_chunked.json, prefill.log.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+: "${OUT:?OUT must be set (the device call sets it)}"
+. tools/device/env.sh
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+
+TEST_S=${TEST_S:-140}
+echo "== GPU tests of the read rule, bounded to ${TEST_S}s, at ${SECONDS}s"
+timeout "$TEST_S" python3 -m pytest tests/kernels/test_own_block_gpu.py tests/kernels/test_own_block_attention.py \
+  tests/kernels/test_own_block_prefill.py -rA -q -p no:cacheprovider --durations=8 > "$OUT/ownread_tests.log" 2>&1
+echo "tests exit $? (124 = hit the bound)"
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ownread_tests.log" | tail -40
+
+DECODE_S=${DECODE_S:-140}
+echo "== decode attention, batch 1/32/256 x 4k/32k, FA3 bf16 and both schemes, bounded to ${DECODE_S}s, at ${SECONDS}s"
+timeout "$DECODE_S" python3 tools/device/bench_kernels.py --out "$OUT" --methods fa3_bf16,s4kv_kivi,s4kv_saw \
+  --shapes llama-3.1-8b --batches 1,32,256 --contexts 4096,32768 --no-store --budget-s $((DECODE_S - 30)) \
+  > "$OUT/kernels.log" 2>&1
+echo "decode exit $?"
+tail -20 "$OUT/kernels.log"
+
+PREFILL_S=${PREFILL_S:-110}
+echo "== prefill: FA3 bf16, int4_saw one pass, int4_kivi two passes, 8k and 32k prompts in 8k chunks, bounded to" \
+  "${PREFILL_S}s, at ${SECONDS}s"
+timeout "$PREFILL_S" python3 tools/device/bench_prefill.py --prompts 8192,32768 --chunk 8192 --no-cases > "$OUT/prefill.log" 2>&1
+echo "prefill exit $?"
+tail -30 "$OUT/prefill.log"
+echo "done at ${SECONDS}s"
