@@ -222,15 +222,12 @@ def _scores_from_originals(q_rows, row_live, new_keys_ptr, new_key_rows, staged_
 
 
 @triton.jit
-def _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, cache_u8_ptr, cache_f16_ptr, page, k_params, offset,
-                        written, HAS_POOL: tl.constexpr, BLOCK_SIZE: tl.constexpr, PTX_UNPACK: tl.constexpr,
-                        SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
-                        CODE_BIAS: tl.constexpr, CODE_SCALE: tl.constexpr, HALF: tl.constexpr):
-    """Q K^T for an int4_kivi block before the query's own block (full, so closed). With the staging pool every
-    block closes per channel; without it a block filled over several batches kept its staged per-token keys,
-    which token 0's flag bit tells (kivi_block_is_per_channel)."""
-    k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16,
-                             CODE_BIAS_BITS, CODE_BIAS, HALF)
+def _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
+                        HAS_POOL: tl.constexpr, BLOCK_SIZE: tl.constexpr, CODE_SCALE: tl.constexpr,
+                        HALF: tl.constexpr):
+    """Q K^T for an int4_kivi block before the query's own block (full, so closed), from its codes k_lo/k_hi. With
+    the staging pool every block closes per channel; without it a block filled over several batches kept its
+    staged per-token keys, which token 0's flag bit tells (kivi_block_is_per_channel)."""
     if HAS_POOL:
         scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
     elif kivi_block_is_per_channel(cache_f16_ptr, k_params, 0, BLOCK_SIZE, BLOCK_SIZE):
@@ -322,11 +319,13 @@ def _paged_attention_kernel(
             # slots past the sequence end hold stale bytes: never let them reach the P @ V product
             written = k_pos < seq_len
             k_params = (page + layout_k_params) // 2
+            # the key codes are loaded outside the branches: Triton's pipeliner prefetches only top-level loads
+            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL,
+                                     IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
             if IS_KIVI:
                 if logical_block < first_own_block:  # closed for every row: per channel
-                    scores = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, cache_u8_ptr, cache_f16_ptr, page,
-                                                 k_params, offset, written, HAS_POOL, BLOCK_SIZE, PTX_UNPACK,
-                                                 SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, CODE_SCALE, HALF)
+                    scores = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr,
+                                                 k_params, offset, written, HAS_POOL, BLOCK_SIZE, CODE_SCALE, HALF)
                 else:
                     new_key_rows = ((q_start - context + k_pos).to(tl.int64) * new_keys_stride_t
                                     + kv_head * new_keys_stride_h)
@@ -335,15 +334,12 @@ def _paged_attention_kernel(
                                                     slot, HALF)
                     if logical_block < (kv_end - 1) // BLOCK_SIZE:
                         # the program's later rows are in the next block: this one is closed for them
-                        closed = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, cache_u8_ptr, cache_f16_ptr,
-                                                     page, k_params, offset, written, HAS_POOL, BLOCK_SIZE,
-                                                     PTX_UNPACK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS,
-                                                     CODE_SCALE, HALF)
+                        closed = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr,
+                                                     k_params, offset, written, HAS_POOL, BLOCK_SIZE, CODE_SCALE,
+                                                     HALF)
                         own = (q_pos // BLOCK_SIZE == logical_block)[:, None]
                         scores = tl.where(own, scores, closed)
             else:
-                k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL,
-                                         IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
                 scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
                                            CODE_SCALE)
             visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
