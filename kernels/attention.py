@@ -238,6 +238,79 @@ def _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_
     return scores
 
 
+@triton.jit
+def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
+                 seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
+                 block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
+                 new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
+                 OWN: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 IS_KIVI: tl.constexpr, HAS_POOL: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
+                 CODE_SCALE: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
+                 CODE_BIAS: tl.constexpr, HALF: tl.constexpr):
+    """One K/V tile into the online softmax (m_i, l_i) and the accumulators; OWN: the tile may hold keys of a
+    query's own block (int4_kivi reads them from the original keys)."""
+    dt = q_lo.dtype
+    layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
+    layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
+    layout_k_params: tl.constexpr = (2 * HALF + 4) * BLOCK_SIZE
+    start = tile * TILE
+    logical_block = start // BLOCK_SIZE
+    physical = tl.load(block_table_ptr + seq * block_table_stride + logical_block).to(tl.int64)
+    page = physical * stride_block + kv_head * stride_head
+    offset = tl.multiple_of(start % BLOCK_SIZE, TILE) + tl.arange(0, TILE)  # aligned: vector loads
+    k_pos = start + tl.arange(0, TILE)
+    # slots past the sequence end hold stale bytes: never let them reach the P @ V product
+    written = k_pos < seq_len
+    k_params = (page + layout_k_params) // 2
+    # the key codes are loaded outside the branches: Triton's pipeliner prefetches only top-level loads
+    k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL,
+                             IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
+    if IS_KIVI:
+        if not OWN:  # a block before the program's own blocks: closed for every row, per channel
+            scores = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr,
+                                         k_params, offset, written, HAS_POOL, BLOCK_SIZE, CODE_SCALE, HALF)
+        else:
+            new_key_rows = ((q_start - context + k_pos).to(tl.int64) * new_keys_stride_t
+                            + kv_head * new_keys_stride_h)
+            scores = _scores_from_originals(q_rows, row_live, new_keys_ptr, new_key_rows, staged_keys_ptr,
+                                            pool_page, pool_stride_token, offset, k_pos, context, seq_len,
+                                            slot, HALF)
+            if logical_block < (kv_end - 1) // BLOCK_SIZE:
+                # the program's later rows are in the next block: this one is closed for them
+                closed = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr,
+                                             k_params, offset, written, HAS_POOL, BLOCK_SIZE, CODE_SCALE,
+                                             HALF)
+                own = (q_pos // BLOCK_SIZE == logical_block)[:, None]
+                scores = tl.where(own, scores, closed)
+    else:
+        scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
+                                   CODE_SCALE)
+    visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
+    scores = tl.where(visible, scores * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, True, BLOCK_SIZE, PTX_UNPACK,
+                             SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
+    sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written)
+    p_sv = p * sv[None, :]
+    p_mv = p * mv[None, :]
+    if BLOCK_Q > 1:
+        # a broken value (NaN scale) must poison only the queries that see it: p = 0 for a later token,
+        # but 0 * NaN is NaN, so select on visibility. A decode row sees exactly the written slots, whose
+        # params are loaded as 0 past the end: there the select changes nothing, and on the H200 it made
+        # int4_kivi decode (128-token tiles) about 30% slower at batch 256.
+        p_sv = tl.where(visible, p_sv, 0.0)
+        p_mv = tl.where(visible, p_mv, 0.0)
+    p_scaled = p_sv.to(dt)
+    acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo)
+    acc_hi = acc_hi * alpha[:, None] + tl.dot(p_scaled, v_hi)
+    acc_min = acc_min * alpha + tl.sum(p_mv, 1)
+    return m_new, l_i, acc_lo, acc_hi, acc_min
+
+
 # Runtime values must not pick kernel variants: Triton would otherwise compile one per "== 1 / multiple of 16"
 # value of num_seqs and per 16-byte alignment of the (sliced) metadata pointers, and a new variant met while
 # serving is a JIT stall of seconds. The metadata is read with scalar loads, where alignment buys nothing.
@@ -266,9 +339,6 @@ def _paged_attention_kernel(
     if local_block * BLOCK_Q < q_len:
         seq_len = tl.load(seq_lens_ptr + seq)
         context = seq_len - q_len
-        layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
-        layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
-        layout_k_params: tl.constexpr = (2 * HALF + 4) * BLOCK_SIZE
 
         rows = tl.arange(0, BLOCK_M)
         q_tok = local_block * BLOCK_Q + rows // GROUP
@@ -288,14 +358,15 @@ def _paged_attention_kernel(
         qr_hi = qr_hi.to(dt)
         qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
 
+        slot = tl.full([], -1, tl.int32)
+        pool_page = tl.zeros([], tl.int64)
+        first_own_block = tl.zeros([], tl.int32)
         if IS_KIVI:
             # the own blocks of this program's queries: every tile from first_own_block on is read from the
             # original keys for the rows in its block (a multi-query program may span two blocks)
             first_own_block = (context + local_block * BLOCK_Q) // BLOCK_SIZE
-            if HAS_POOL:
+            if HAS_POOL:  # without a pool, slot -1: a read of it is an error that shows as NaN
                 slot = tl.load(sequence_slots_ptr + seq)
-            else:
-                slot = tl.full([], -1, tl.int32)  # no pool: a read of it is an error that shows as NaN
             pool_page = slot.to(tl.int64) * pool_stride_slot + kv_head * pool_stride_head
 
         kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
@@ -309,63 +380,27 @@ def _paged_attention_kernel(
         acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
         acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
         acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
-        for tile in range(first_tile, last_tile):
-            start = tile * TILE
-            logical_block = start // BLOCK_SIZE
-            physical = tl.load(block_table_ptr + seq * block_table_stride + logical_block).to(tl.int64)
-            page = physical * stride_block + kv_head * stride_head
-            offset = tl.multiple_of(start % BLOCK_SIZE, TILE) + tl.arange(0, TILE)  # aligned: vector loads
-            k_pos = start + tl.arange(0, TILE)
-            # slots past the sequence end hold stale bytes: never let them reach the P @ V product
-            written = k_pos < seq_len
-            k_params = (page + layout_k_params) // 2
-            # the key codes are loaded outside the branches: Triton's pipeliner prefetches only top-level loads
-            k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL,
-                                     IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
-            if IS_KIVI:
-                if logical_block < first_own_block:  # closed for every row: per channel
-                    scores = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr,
-                                                 k_params, offset, written, HAS_POOL, BLOCK_SIZE, CODE_SCALE, HALF)
-                else:
-                    new_key_rows = ((q_start - context + k_pos).to(tl.int64) * new_keys_stride_t
-                                    + kv_head * new_keys_stride_h)
-                    scores = _scores_from_originals(q_rows, row_live, new_keys_ptr, new_key_rows, staged_keys_ptr,
-                                                    pool_page, pool_stride_token, offset, k_pos, context, seq_len,
-                                                    slot, HALF)
-                    if logical_block < (kv_end - 1) // BLOCK_SIZE:
-                        # the program's later rows are in the next block: this one is closed for them
-                        closed = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr,
-                                                     k_params, offset, written, HAS_POOL, BLOCK_SIZE, CODE_SCALE,
-                                                     HALF)
-                        own = (q_pos // BLOCK_SIZE == logical_block)[:, None]
-                        scores = tl.where(own, scores, closed)
-            else:
-                scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
-                                           CODE_SCALE)
-            visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
-            scores = tl.where(visible, scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(scores - m_ref[:, None])
-            alpha = tl.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, True, BLOCK_SIZE, PTX_UNPACK,
-                                     SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
-            sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written)
-            p_sv = p * sv[None, :]
-            p_mv = p * mv[None, :]
-            if BLOCK_Q > 1:
-                # a broken value (NaN scale) must poison only the queries that see it: p = 0 for a later token,
-                # but 0 * NaN is NaN, so select on visibility. A decode row sees exactly the written slots, whose
-                # params are loaded as 0 past the end: there the select changes nothing, and on the H200 it made
-                # int4_kivi decode (128-token tiles) about 30% slower at batch 256.
-                p_sv = tl.where(visible, p_sv, 0.0)
-                p_mv = tl.where(visible, p_mv, 0.0)
-            p_scaled = p_sv.to(dt)
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo)
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(p_scaled, v_hi)
-            acc_min = acc_min * alpha + tl.sum(p_mv, 1)
-            m_i = m_new
+        # int4_kivi: the tiles before the program's own blocks in a loop of their own, per channel only, so the
+        # own-block path (original keys, a second score matrix) costs neither registers nor branches there
+        own_tile = last_tile
+        if IS_KIVI:
+            own_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
+        for tile in range(first_tile, own_tile):
+            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
+                tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
+                seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
+                block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
+                new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
+                False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, HAS_POOL, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
+                CODE_BIAS_BITS, CODE_BIAS, HALF)
+        for tile in range(own_tile, last_tile):
+            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
+                tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
+                seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
+                block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
+                new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
+                True, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, HAS_POOL, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
+                CODE_BIAS_BITS, CODE_BIAS, HALF)
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * CODE_SCALE + acc_min[:, None]
 
