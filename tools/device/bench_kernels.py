@@ -286,13 +286,18 @@ def s4kv_decode_call(scheme, problem: DecodeProblem, cache: torch.Tensor, block_
 
     seq_lens, cu_q = problem.seq_lens, problem.query_start_loc
     own_block = {}
-    if scheme.is_kivi:  # the own block from the original keys: this step's key and a staging-pool slot per sequence
-        batch, device = problem.batch, problem.device
-        own_block = dict(
-            new_keys=torch.randn(batch, problem.num_kv_heads, HEAD_DIM, dtype=problem.query.dtype, device=device),
-            staged_keys=torch.randn(batch, problem.num_kv_heads, S4KV_BLOCK_SIZE, HEAD_DIM, dtype=problem.query.dtype,
-                                    device=device),
-            sequence_slots=torch.arange(batch, dtype=torch.int32, device=device))
+    if scheme.is_kivi:
+        # the own block from the original keys, as the engine passes them: this step's key (the last token's) and a
+        # staging-pool slot per sequence holding the block's earlier keys
+        batch, device, context = problem.batch, problem.device, problem.context
+        keys = problem.kv_pool[0]
+        first_row = (torch.arange(batch, device=device) % problem.seqs_per_chunk) * context
+        own_start = (context - 1) // S4KV_BLOCK_SIZE * S4KV_BLOCK_SIZE
+        staged = torch.zeros(batch, problem.num_kv_heads, S4KV_BLOCK_SIZE, HEAD_DIM, dtype=keys.dtype, device=device)
+        earlier = first_row[:, None] + own_start + torch.arange(context - 1 - own_start, device=device)[None, :]
+        staged[:, :, : earlier.shape[1]] = keys[earlier].transpose(1, 2)
+        own_block = dict(new_keys=keys[first_row + context - 1].contiguous(), staged_keys=staged,
+                         sequence_slots=torch.arange(batch, dtype=torch.int32, device=device))
     return lambda: paged_attention(problem.query, cache, block_table, seq_lens, cu_q, 1, HEAD_DIM ** -0.5, scheme,
                                    out, workspace=workspace, launch=launch, **own_block)
 
