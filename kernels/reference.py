@@ -221,13 +221,9 @@ def staged_flags(k_params: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # read + attention
 # ---------------------------------------------------------------------------------------------------------------
-def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Scheme, head_dim: int,
-                        staged_keys=None, slot: int = -1):
-    """The first seq_len keys and values of one sequence, [seq_len, Hkv, head_dim] float32, in the original space.
-
-    With int4_kivi's staging pool ``staged_keys`` and the sequence's ``slot`` in it, the keys of the open block (the
-    last, when seq_len % 128 != 0) are the pool's original keys, not its staged codes: KIVI keeps the open group's
-    keys in full precision."""
+def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Scheme, head_dim: int):
+    """The first seq_len keys and values of one sequence as stored, [seq_len, Hkv, head_dim] float32, in the
+    original space (an open int4_kivi block's per-token codes: paged_attention reads its originals instead)."""
     pages = PageViews(kv_cache, head_dim)
     bsz = pages.block_size
     rot = scheme.rotation(head_dim, kv_cache.device)
@@ -241,11 +237,6 @@ def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Sch
         closed = full[:, None] & ~staged_flags(kp)  # [n, Hkv]: per head, as every head's page carries its flag
         per_channel = dequantize_per_channel(k_codes, kp[..., None, :head_dim, 0], kp[..., None, :head_dim, 1])
         k = torch.where(closed[:, :, None, None], per_channel, k)
-    open_len = seq_len % bsz
-    if staged_keys is not None and open_len:
-        if slot < 0:
-            raise ValueError(f"a sequence of {seq_len} tokens ends in an open block but has no staging slot")
-        k[-1, :, :open_len] = staged_keys[slot, :, :open_len].float()
     vp = pages.v_params[blocks]
     v = dequantize_per_token(unpack_nibbles(pages.v_codes[blocks]), vp[..., 0], vp[..., 1])
     if scheme.rotate_values:

@@ -278,24 +278,6 @@ def assert_caches_match(actual: torch.Tensor, expected: torch.Tensor, before: to
         torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-6, equal_nan=True, msg=lambda m: f"{name}: {m}")
 
 
-def dense_reference(batch: PagedBatch, cache: torch.Tensor, scheme: Int4Scheme, seqs,
-                    pool: StagingPool | None = None) -> tuple[list, list]:
-    """What the dense prefill gather must produce for the sequences ``seqs``, float32 [seq_len, Hkv, D] each:
-    the cached prefix as the reference reads it (block states as of seq_len, the store having run; with ``pool``,
-    the open block's keys from it), then the fresh rows of batch.key / batch.value."""
-    ks, vs = [], []
-    starts = batch.query_start_loc.tolist()
-    for i in seqs:
-        seq_len = int(batch.seq_lens[i])
-        fresh = slice(starts[i], starts[i + 1])
-        prefix = seq_len - (starts[i + 1] - starts[i])
-        staged = (None, -1) if pool is None else (pool.staged_keys, int(pool.sequence_slots[i]))
-        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], seq_len, scheme, batch.head_dim, *staged)
-        ks.append(torch.cat([k_hat[:prefix], batch.key[fresh].float()]))
-        vs.append(torch.cat([v_hat[:prefix], batch.value[fresh].float()]))
-    return ks, vs
-
-
 def unquantized_attention(batch: PagedBatch, softmax_scale: float) -> torch.Tensor:
     """float64 attention of the batch's queries over the original (unquantized) keys and values."""
     starts = batch.query_start_loc.tolist()
