@@ -8,10 +8,10 @@ the read rule) with far fewer tensor operations per layer and step, which is wha
   a group dequantizes its pages in one gather over its block-table rows, [G, Hkv, tokens, D];
 * int4_saw keys stay rotated: scores use ``q @ R^T`` against the stored ``k R`` (R orthonormal), and with
   ``rotate_values`` the output is rotated back once, ``(p @ v R) @ R``, instead of every key and value;
-* int4_kivi: the cache part holds every block per channel and a query sees it only before its own block; its own
-  block's original keys (the staging pool's rows of the block the step starts in, then the step's ``new_keys``)
-  form a short second part of the key axis, visible only inside the query's own block. One softmax over both parts
-  reads exactly the rule's keys, each value once;
+* int4_kivi: every block's keys are read per channel; each query's scores against its own block are then replaced
+  by its scores against the original keys (the staging pool's rows of the block the step starts in, then the step's
+  ``new_keys``), computed over a window of at most 127 + query-length keys per sequence; one causal softmax and
+  one product with the values follow;
 * a value row holding NaN or inf poisons exactly the queries that see it (as ``reference.weighted_values``); the
   check reads the value parameters, and the masked path runs only when one is not finite.
 
@@ -29,7 +29,6 @@ from .staging import check_pool_read
 
 # Largest score tensor (float32 elements) one group computes at once: sequences beyond it run in further groups.
 MAX_SCORE_ELEMENTS = 1 << 24
-UNREACHABLE = 1 << 62  # the position of an own-block row past a sequence's keys: after every query
 
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, scheme: Int4Scheme,
@@ -57,111 +56,138 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sof
 
 
 class _PageReader:
-    """Dequantizes the pages of a group of sequences from one layer's cache, [G, Hkv, blocks * 128, D] float32:
-    int4_kivi keys per channel (a closed block flagged as staged, written without a pool, per token), int4_saw keys
-    per token still rotated, values per token (rotated where ``rotate_values``). Value parameters of tokens past a
-    sequence's length are zeroed, so those rows are 0, not whatever the page held."""
+    """The pages of a group of sequences from one layer's cache, gathered once, as float32 codes and parameters with
+    heads first and blocks kept apart, so that the scale and min of each token (or closed int4_kivi block channel)
+    apply to the small score and probability tensors instead of to every key and value element."""
 
     def __init__(self, kv_cache: torch.Tensor, scheme: Int4Scheme, head_dim: int):
-        self.pages = PageViews(kv_cache, head_dim)
+        self.kv_cache = kv_cache
         self.scheme = scheme
         self.head_dim = head_dim
         self.rotation = scheme.rotation(head_dim, kv_cache.device)
 
-    def read(self, blocks: torch.Tensor, full_blocks: torch.Tensor, valid_tokens: torch.Tensor):
-        """``blocks`` [G, n] page ids, ``full_blocks`` [G, n] bool (all 128 tokens stored), ``valid_tokens``
-        [G, n * 128] bool. Returns keys, values [G, Hkv, n * 128, D] and the value params [G, Hkv, n * 128, 2]."""
-        p, d = self.pages, self.head_dim
+    def scores(self, q: torch.Tensor, blocks: torch.Tensor, full_blocks: torch.Tensor):
+        """Scores [G, Hkv, R, n, 128] of q [G, Hkv, R, D] (int4_saw: already rotated) against the stored keys of
+        ``blocks`` [G, n]: int4_kivi per channel (a full block flagged as staged, closed without a pool, per token
+        after the rotation), int4_saw per token. Also returns the gathered pages for ``values``."""
         g, n = blocks.shape
-        heads = p.k_codes.shape[1]
-        # [G, Hkv, n, 128, D]: codes unpacked after moving heads first, so the unpacked tensor is laid out as used
-        k_codes = unpack_nibbles(p.k_codes[blocks].transpose(1, 2)).float()
-        raw_k_params = p.k_params[blocks].transpose(1, 2)  # [G, Hkv, n, 128, 2] fp16
-        k_params = raw_k_params.float()
-        if self.scheme.is_kivi:
-            # a closed block's params are per channel: (scale, min) of channel c at entry c
-            keys = k_codes * k_params[..., None, :d, 0] + k_params[..., None, :d, 1]
-            flagged = staged_flags(raw_k_params) & full_blocks[:, None]  # [G, Hkv, n]
-            if flagged.any():
-                staged = (k_codes * k_params[..., :1].abs() + k_params[..., 1:]) @ self.rotation
-                keys = torch.where(flagged[..., None, None], staged, keys)
-        else:
-            keys = k_codes * k_params[..., :1].abs() + k_params[..., 1:]  # abs: the staged flag's sign bit
-        v_params = p.v_params[blocks].transpose(1, 2).reshape(g, heads, n * KIVI_BLOCK_SIZE, 2).float()
-        v_params = v_params.masked_fill(~valid_tokens[:, None, :, None], 0.0)
-        v_codes = unpack_nibbles(p.v_codes[blocks].transpose(1, 2)).float().view(g, heads, n * KIVI_BLOCK_SIZE, d)
-        values = v_codes * v_params[..., :1] + v_params[..., 1:]
-        return keys.reshape(g, heads, n * KIVI_BLOCK_SIZE, d), values, v_params
+        heads = self.kv_cache.shape[1]
+        pages = PageViews(self.kv_cache[blocks].view(g * n, heads, -1), self.head_dim)  # one gather of whole pages
+        codes = _unpack_float(_heads_first(pages.k_codes, g))  # [G, Hkv, n, 128, D]
+        raw_params = _heads_first(pages.k_params, g)  # [G, Hkv, n, 128, 2] fp16
+        params = raw_params.float()
+        if not self.scheme.is_kivi:
+            return _per_token_scores(q, codes, params), pages
+        # a closed block's params are per channel: (scale, min) of channel c at entry c
+        per_channel = params[..., : self.head_dim, :]  # [G, Hkv, n, D, 2]
+        scores = (q[:, :, None] * per_channel[..., None, :, 0]) @ codes.transpose(-1, -2)
+        scores = scores + (q[:, :, None] @ per_channel[..., 1, None])  # q . min, [G, Hkv, n, R, 1]
+        flagged = staged_flags(raw_params) & full_blocks[:, None]  # [G, Hkv, n]
+        if flagged.any():
+            staged = _per_token_scores(q @ self.rotation.T, codes, params)
+            scores = torch.where(flagged[..., None, None], staged, scores)
+        return scores, pages
+
+    def values(self, pages: PageViews, probs: torch.Tensor, valid_tokens: torch.Tensor, visible: torch.Tensor):
+        """probs [G, Hkv, R, n * 128] times the stored values -> [G, Hkv, R, D] (rotated where ``rotate_values``).
+        A value row holding NaN or inf (its scale or min) makes the rows of exactly the queries that see it
+        (``visible`` [G, Hkv, R, n * 128]) NaN; tokens past a sequence's length (``valid_tokens`` [G, n * 128]) are
+        never read."""
+        g, heads, r, tokens = probs.shape
+        n = tokens // KIVI_BLOCK_SIZE
+        params = _heads_first(pages.v_params, g).reshape(g, heads, 1, tokens, 2).float()
+        params = params.masked_fill(~valid_tokens[:, None, None, :, None], 0.0)
+        broken = ~torch.isfinite(params).all(-1)  # [G, Hkv, 1, tokens]
+        if broken.any():
+            params = params.masked_fill(broken[..., None], 0.0)
+        codes = _unpack_float(_heads_first(pages.v_codes, g))  # [G, Hkv, n, 128, D] (channel-major underneath)
+        scaled = (probs * params[..., 0]).view(g, heads, r, n, KIVI_BLOCK_SIZE).transpose(2, 3)
+        out = (scaled @ codes).sum(2) + (probs * params[..., 1]).sum(-1, keepdim=True)
+        if broken.any():
+            poisoned = (visible & broken).any(-1, keepdim=True)
+            out = out.masked_fill(poisoned, float("nan"))
+        return out
+
+
+def _heads_first(view: torch.Tensor, g: int) -> torch.Tensor:
+    """A page view of G * n gathered pages [G * n, Hkv, ...] as [G, Hkv, n, ...]."""
+    return view.view(g, -1, *view.shape[1:]).transpose(1, 2)
+
+
+def _per_token_scores(q: torch.Tensor, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """q [G, Hkv, R, D] against per-token keys codes * scale + min: (q . codes) * scale + sum(q) * min."""
+    scale = params[..., 0].abs()[..., None, :]  # abs: the staged flag's sign bit
+    return (q[:, :, None] @ codes.transpose(-1, -2)) * scale + q.sum(-1)[:, :, None, :, None] * params[..., None, :, 1]
+
+
+def _unpack_float(packed: torch.Tensor) -> torch.Tensor:
+    """reference.unpack_nibbles into a new contiguous float32 tensor (channel j low nibble, j + D/2 high)."""
+    half = packed.shape[-1]
+    out = torch.empty(*packed.shape[:-1], 2 * half, dtype=torch.float32, device=packed.device)
+    out[..., :half] = packed & 0xF
+    out[..., half:] = packed >> 4
+    return out
 
 
 def _attend_group(query, out, reader: _PageReader, block_table, seq_lens, query_start_loc, softmax_scale,
                   seqs: torch.Tensor, q_len: int, staged_keys, sequence_slots, new_keys) -> None:
     """Attention of the sequences ``seqs``, each with ``q_len`` query tokens, into their rows of ``out``."""
     scheme, bsz, device = reader.scheme, KIVI_BLOCK_SIZE, query.device
-    num_kv_heads = reader.pages.k_codes.shape[1]
+    num_kv_heads = reader.kv_cache.shape[1]
     g, head_dim = seqs.shape[0], query.shape[-1]
     group = query.shape[1] // num_kv_heads
     lens = seq_lens[seqs].long()
     chunk_start = lens - q_len
     n = -(-int(lens.max()) // bsz)
     block_index = torch.arange(n, device=device)
-    used = block_index < (-(-lens // bsz))[:, None]
-    blocks = torch.where(used, block_table[seqs, :n].long(), 0)
-    k_pos = torch.arange(n * bsz, device=device)
-    keys, values, v_params = reader.read(blocks, (block_index + 1) * bsz <= lens[:, None], k_pos < lens[:, None])
+    blocks = torch.where(block_index < (-(-lens // bsz))[:, None], block_table[seqs, :n].long(), 0)
 
     rows = query_start_loc[seqs].long()[:, None] + torch.arange(q_len, device=device)  # [G, q_len]
     q = query[rows].float()  # [G, q_len, Hq, D]
     if not scheme.is_kivi:
         q = q @ reader.rotation.T  # scores against the rotated keys: (q R^T) . (k R) = q . k
+    # [G, Hkv, R, D], R = group * q_len: a row is (q head of the group, query position)
     q = q.view(g, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(g, num_kv_heads, -1, head_dim)
-    q_pos = (chunk_start[:, None] + torch.arange(q_len, device=device))[:, :, None]  # [G, q_len, 1]
+    scores, pages = reader.scores(q, blocks, (block_index + 1) * bsz <= lens[:, None])
+    scores = scores.transpose(2, 3).reshape(g, num_kv_heads, -1, n * bsz) * softmax_scale
+    q_pos = chunk_start[:, None] + torch.arange(q_len, device=device)  # [G, q_len]
     if scheme.is_kivi:
-        visible = k_pos < q_pos // bsz * bsz  # the cache part: the blocks before the query's own, per channel
-        own_keys, own_pos = _own_block_keys(new_keys, staged_keys, sequence_slots[seqs], rows, chunk_start, q_len)
-        own_visible = (own_pos[:, None, :] <= q_pos) & (own_pos[:, None, :] // bsz == q_pos // bsz)
-        own_values = values.gather(2, own_pos.clamp(max=n * bsz - 1)[:, None, :, None].expand(
-            -1, num_kv_heads, -1, head_dim))
-        keys, values = torch.cat([keys, own_keys], 2), torch.cat([values, own_values], 2)
-        visible = torch.cat([visible, own_visible], 2)
-        v_params = torch.cat([v_params, v_params.gather(2, own_pos.clamp(max=n * bsz - 1)[:, None, :, None].expand(
-            -1, num_kv_heads, -1, 2))], 2)
-    else:
-        visible = k_pos <= q_pos
-    # [G, Hkv, group * q_len, keys]: a row is (q head in the group, query position)
-    scores = (q @ keys.transpose(-1, -2)) * softmax_scale
-    mask = visible[:, None, None].expand(g, num_kv_heads, group, q_len, -1).reshape(scores.shape)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    broken = ~torch.isfinite(v_params).all(-1)  # [G, Hkv, keys]
-    if broken.any():
-        values = values.masked_fill(broken[..., None], 0.0)
-        poisoned = torch.einsum("gqk,ghk->ghq", visible.float(), broken.float()) > 0  # [G, Hkv, q_len]
-        result = probs @ values
-        result = result.view(g, num_kv_heads, group, q_len, head_dim).masked_fill(
-            poisoned[:, :, None, :, None], float("nan")).view(result.shape)
-    else:
-        result = probs @ values
+        scores = _with_own_block_scores(scores, q, q_pos, new_keys, staged_keys, sequence_slots[seqs], rows,
+                                        softmax_scale, group)
+    k_pos = torch.arange(n * bsz, device=device)
+    visible = k_pos[None, None, :] <= q_pos[:, :, None]  # [G, q_len, keys]: causal (the own block read above)
+    visible = visible[:, None, None].expand(g, num_kv_heads, group, q_len, -1).reshape(g, num_kv_heads, -1, n * bsz)
+    probs = scores[..., : n * bsz].masked_fill(~visible, float("-inf")).softmax(-1)
+    result = reader.values(pages, probs, k_pos < lens[:, None], visible)
     if scheme.rotate_values:
         result = result @ reader.rotation  # values were read rotated: (p @ v R) @ R = p @ v
     result = result.view(g, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
     out[rows.reshape(-1)] = result.reshape(g * q_len, -1, head_dim)
 
 
-def _own_block_keys(new_keys, staged_keys, slots, rows, chunk_start, q_len: int):
-    """int4_kivi's original keys of each sequence's own blocks, [G, Hkv, W, D] float32, and their positions [G, W]:
-    the ``chunk_start % 128`` rows earlier steps wrote to the block the step starts in, from the pool slot (NaN where
-    the slot is -1), then the step's own ``q_len`` keys. Positions past a sequence's last key repeat its last row
-    and get position UNREACHABLE."""
+def _with_own_block_scores(scores, q, q_pos, new_keys, staged_keys, slots, rows, softmax_scale, group: int):
+    """int4_kivi: the scores of each query against its own block's keys replaced by those against the original keys
+    (the ``chunk_start % 128`` rows earlier steps wrote to the block the step starts in, from the pool slot, NaN
+    where it is -1; then the step's own keys). Returns the scores, widened where an own-block window runs past the
+    cache part (those columns are past every query)."""
     bsz = KIVI_BLOCK_SIZE
+    g, heads = scores.shape[:2]
+    q_len = rows.shape[1]
+    chunk_start = q_pos[:, 0]
     earlier = chunk_start % bsz  # [G]
     width = int(earlier.max()) + q_len
     pool = staged_keys[slots.long().clamp(min=0)].float()  # [G, Hkv, 128, D]
     pool = pool.masked_fill((slots < 0)[:, None, None, None], float("nan"))
-    step = new_keys[rows].float().transpose(1, 2)  # [G, Hkv, q_len, D]
-    source = torch.cat([pool, step], 2)
+    source = torch.cat([pool, new_keys[rows].float().transpose(1, 2)], 2)  # [G, Hkv, 128 + q_len, D]
     w = torch.arange(width, device=rows.device)[None, :]
     index = torch.where(w < earlier[:, None], w, bsz + w - earlier[:, None]).clamp(max=bsz + q_len - 1)
-    own = source.gather(2, index[:, None, :, None].expand(-1, source.shape[1], -1, source.shape[3]))
-    # past a sequence's own keys: a position no query reaches (its row is a repeat, never visible)
-    positions = torch.where(w < earlier[:, None] + q_len, (chunk_start - earlier)[:, None] + w, UNREACHABLE)
-    return own, positions
+    own_keys = source.gather(2, index[:, None, :, None].expand(-1, heads, -1, source.shape[3]))
+    own_scores = (q @ own_keys.transpose(-1, -2)) * softmax_scale  # [G, Hkv, group * q_len, width]
+    positions = (chunk_start - earlier)[:, None] + w  # [G, width], distinct per sequence
+    extra = int(positions.max()) + 1 - scores.shape[-1]
+    if extra > 0:
+        scores = torch.nn.functional.pad(scores, (0, extra))
+    index = positions[:, None, None, :].expand(-1, heads, group * q_len, -1)
+    same_block = (positions[:, None, :] // bsz == q_pos[:, :, None] // bsz)  # [G, q_len, width]
+    same_block = same_block[:, None, None].expand(-1, heads, group, -1, -1).reshape(own_scores.shape)
+    return scores.scatter(-1, index, torch.where(same_block, own_scores, scores.gather(-1, index)))
