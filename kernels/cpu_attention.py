@@ -176,12 +176,12 @@ def _with_own_block_scores(scores, q, q_pos, new_keys, staged_keys, slots, rows,
     chunk_start = q_pos[:, 0]
     earlier = chunk_start % bsz  # [G]
     width = int(earlier.max()) + q_len
-    pool = staged_keys[slots.long().clamp(min=0)].float()  # [G, Hkv, 128, D]
-    pool = pool.masked_fill((slots < 0)[:, None, None, None], float("nan"))
-    source = torch.cat([pool, new_keys[rows].float().transpose(1, 2)], 2)  # [G, Hkv, 128 + q_len, D]
+    pool = staged_keys[slots.long().clamp(min=0)].transpose(1, 2)  # [G, 128, Hkv, D]
+    pool = pool.float().masked_fill((slots < 0)[:, None, None, None], float("nan"))
+    source = torch.cat([pool, new_keys[rows].float()], 1)  # [G, 128 + q_len, Hkv, D]
     w = torch.arange(width, device=rows.device)[None, :]
     index = torch.where(w < earlier[:, None], w, bsz + w - earlier[:, None]).clamp(max=bsz + q_len - 1)
-    own_keys = source.gather(2, index[:, None, :, None].expand(-1, heads, -1, source.shape[3]))
+    own_keys = source[torch.arange(g, device=rows.device)[:, None], index].transpose(1, 2)  # [G, Hkv, width, D]
     own_scores = (q @ own_keys.transpose(-1, -2)) * softmax_scale  # [G, Hkv, group * q_len, width]
     positions = (chunk_start - earlier)[:, None] + w  # [G, width], distinct per sequence
     extra = int(positions.max()) + 1 - scores.shape[-1]
