@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .layout import KIVI_BLOCK_SIZE
-from .reference import PageViews, check_kivi_read, staged_flags, unpack_nibbles
+from .reference import PageViews, check_kivi_read, staged_flags
 from .scheme import Int4Scheme
 from .staging import check_pool_read
 

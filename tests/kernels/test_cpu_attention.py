@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 from kv_batches import make_paged_batch, poisoned_cache, scheme_head_dims
-from own_block_oracle import KIVI, stored_step
+from own_block_oracle import KIVI, StepPool, stored_step
 
 from s4kv.kernels import cpu_attention, reference
 from s4kv.kernels.scheme import Int4Scheme
@@ -116,11 +116,11 @@ def test_a_block_closed_without_a_pool_is_read_per_token(gen):
     reference.store_kv(batch.prefix_key[half:], batch.prefix_value[half:], cache, batch.prefix_slots[half:], KIVI)
     reference.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI)
     assert reference.staged_flags(reference.PageViews(cache, 64).k_params).any()
-    pool = stored_step(gen, specs, 64, "cpu")[2]  # a pool the decodes do not need rows of? they do: fill it
-    pool.staged_keys.zero_()
+    # the decodes read their open block's earlier keys from a pool: slot i holds sequence i's
+    pool = StepPool(torch.zeros(2, 2, 128, 64, dtype=torch.float16), torch.tensor([0, 1], dtype=torch.int32))
     for i, (context, _) in enumerate(specs):
         start = context // 128 * 128
-        pool.staged_keys[pool.sequence_slots[i], :, : context - start] = batch.seq_keys[i][start:context].transpose(0, 1)
+        pool.staged_keys[i, :, : context - start] = batch.seq_keys[i][start:context].transpose(0, 1)
     fast, expected = both(batch, cache, pool, KIVI)
     assert not torch.isnan(expected).any()
     assert_same(fast, expected, "staged block")
