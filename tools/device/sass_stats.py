@@ -131,16 +131,19 @@ def _opcode(instruction: str) -> str:
 
 
 def hottest_loop(instructions: list[tuple[int, str]], labels: dict[str, int]) -> list[str]:
-    """Instructions of the largest loop: the longest span from a backward branch's target to the branch."""
-    best = (0, -1)
+    """Instructions of the first tile loop (the longest span from a backward branch's target to the branch among
+    the loops that start first and hold MMA): the tiles before a program's own blocks, where decode spends its time;
+    int4_kivi's own-block loop (original keys) comes after it and runs at most a tile or two per program."""
+    spans = []
     for index, (address, text) in enumerate(instructions):
         m = re.search(r"\bBRA\b.*?(\.L_x_\d+)", text)
         if not m or labels.get(m.group(1), address) >= address:
             continue
         start = next(i for i, (a, _) in enumerate(instructions) if a >= labels[m.group(1)])
-        if index - start > best[1] - best[0]:
-            best = (start, index)
-    start, end = best
+        if any("HMMA" in text for _, text in instructions[start : index + 1]):
+            spans.append((start, index))
+    first = min(start for start, _ in spans)
+    start, end = max((s for s in spans if s[0] == first), key=lambda s: s[1] - s[0])
     return [text for _, text in instructions[start : end + 1]]
 
 
@@ -191,17 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         histograms[label] = dict(Counter(_mnemonic(text) for text in loop).most_common())
         codes_per_thread = 2 * tile * 128 / (32 * launch.num_warps)  # K and V codes of one tile, per thread
         occupancy = warps_per_sm(usage["REG"], kernel.shared_bytes, launch.num_warps)
-        rows.append((label, classify(opcodes), codes_per_thread, usage, occupancy))
+        rows.append((label, classify(opcodes), codes_per_thread, usage, kernel.shared_bytes, occupancy))
 
     names = list(CLASSES) + ["other", "total"]
     # a thread's instructions per tile over its share of the tile's codes = issue slots per code, comparable
     # across tiles and warp counts
     print("| variant (tile x warps x stages) | " + " | ".join(names) + " | instructions per code "
-          "| registers | spill bytes | warps per SM |")
-    print("|---|" + "---|" * len(names) + "---|---|---|---|")
-    for label, table, codes, usage, occupancy in rows:
+          "| registers | spill bytes | shared memory bytes | warps per SM |")
+    print("|---|" + "---|" * len(names) + "---|---|---|---|---|")
+    for label, table, codes, usage, shared_bytes, occupancy in rows:
         print(f"| {label} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} "
-              f"| {usage['REG']} | {usage['LOCAL']} | {occupancy} |")
+              f"| {usage['REG']} | {usage['LOCAL']} | {shared_bytes:,} | {occupancy} |")
     if args.json:
         args.json.write_text(json.dumps(histograms, indent=1))
     return 0
