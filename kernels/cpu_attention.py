@@ -80,8 +80,12 @@ class _PageReader:
             return _per_token_scores(q, codes, params), pages
         # a closed block's params are per channel: (scale, min) of channel c at entry c
         per_channel = params[..., : self.head_dim, :]  # [G, Hkv, n, D, 2]
-        scores = (q[:, :, None] * per_channel[..., None, :, 0]) @ codes.transpose(-1, -2)
-        scores = scores + (q[:, :, None] @ per_channel[..., 1, None])  # q . min, [G, Hkv, n, R, 1]
+        if q.shape[2] < KIVI_BLOCK_SIZE:  # fewer query rows than a block has keys: scale the queries per block
+            scores = (q[:, :, None] * per_channel[..., None, :, 0]) @ codes.transpose(-1, -2)
+            scores = scores + (q[:, :, None] @ per_channel[..., 1, None])  # q . min, [G, Hkv, n, R, 1]
+        else:
+            keys = codes * per_channel[..., None, :, 0] + per_channel[..., None, :, 1]
+            scores = q[:, :, None] @ keys.transpose(-1, -2)
         flagged = staged_flags(raw_params) & full_blocks[:, None]  # [G, Hkv, n]
         if flagged.any():
             staged = _per_token_scores(q @ self.rotation.T, codes, params)
