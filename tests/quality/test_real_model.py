@@ -13,8 +13,8 @@ the same command with ``--engine vllm`` measures the real kernels. The sizes kee
 on two cores (about 5 minutes of CPU) while the paired intervals over 8 windows still separate the formats.
 
 The vLLM engine (``--engine vllm``) runs bf16 on vLLM's CPU attention and int4_kivi / int4_saw on this plugin's CPU
-backend (kernels/cpu_attention.py), after a served prompt only: one condition of three formats takes about 6 minutes
-on two cores, the all-decode condition twice that, beyond CI's budget. Both engines store the same int4 format from
+backend (kernels/cpu_attention.py), after a served prompt only: that condition's three formats took 305 s on two
+cores, the all-decode condition 467 s more, beyond CI's budget (docs/results/quality.md has both). Both engines store the same int4 format from
 the same keys, so each ratio's 95% interval from one engine must overlap the other's (they differ by bf16 against
 float32 arithmetic in the model, which moves every number a little, inside the intervals).
 
