@@ -4,8 +4,11 @@ The reference (``reference.paged_attention``) is the oracle: one sequence at a t
 un-rotated, the NaN-poison bookkeeping on every call. This module reads the same bytes the same way (docs/format.md,
 the read rule) with far fewer tensor operations per layer and step, which is what a CPU step pays for:
 
-* sequences whose step has the same query length (every decode of a step, equal prompt lengths) form one group;
-  a group dequantizes its pages in one gather over its block-table rows, [G, Hkv, tokens, D];
+* sequences whose step has the same query length (every decode of a step, equal prompt lengths) form one group,
+  whose pages are gathered once over its block-table rows;
+* codes become float32 once; each token's scale and min (a closed int4_kivi block's, per channel) apply to the
+  scores and probabilities, ``(q . c) s + (q . 1) m``, which for a decode are far smaller than the keys and values
+  (an int4_kivi group of at least 128 query rows dequantizes its keys instead);
 * int4_saw keys stay rotated: scores use ``q @ R^T`` against the stored ``k R`` (R orthonormal), and with
   ``rotate_values`` the output is rotated back once, ``(p @ v R) @ R``, instead of every key and value;
 * int4_kivi: every block's keys are read per channel; each query's scores against its own block are then replaced
@@ -58,7 +61,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sof
 class _PageReader:
     """The pages of a group of sequences from one layer's cache, gathered once, as float32 codes and parameters with
     heads first and blocks kept apart, so that the scale and min of each token (or closed int4_kivi block channel)
-    apply to the small score and probability tensors instead of to every key and value element."""
+    can apply to the score and probability tensors instead of to every key and value element."""
 
     def __init__(self, kv_cache: torch.Tensor, scheme: Int4Scheme, head_dim: int):
         self.kv_cache = kv_cache
