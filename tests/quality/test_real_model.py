@@ -14,9 +14,9 @@ on two cores (about 5 minutes of CPU) while the paired intervals over 8 windows 
 
 The vLLM engine (``--engine vllm``) runs bf16 on vLLM's CPU attention and int4_kivi / int4_saw on this plugin's CPU
 backend (kernels/cpu_attention.py), after a served prompt only: that condition's three formats took 305 s on two
-cores, the all-decode condition 467 s more, beyond CI's budget (docs/results/quality.md has both). Both engines store the same int4 format from
-the same keys, so each ratio's 95% interval from one engine must overlap the other's (they differ by bf16 against
-float32 arithmetic in the model, which moves every number a little, inside the intervals).
+cores, the all-decode condition 467 s more, beyond CI's budget (docs/results/quality.md has both). Both engines store
+the same int4 format from the same keys, so each ratio's 95% interval from one engine must overlap the other's (they
+differ by bf16 against float32 arithmetic in the model, which moves every number a little, inside the intervals).
 
 A relation is read off the interval of a ratio (ours / theirs, KL or perplexity): ``better`` when it lies below 1,
 ``worse`` above 1, ``level`` when it holds 1.
