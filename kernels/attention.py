@@ -61,7 +61,7 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
 
 # measured on the H200 (docs/performance.md, tuning log): each scheme's fastest code path at batch 32-256 in the
 # kernel table of 2026-11-30, launch shape from tools/device/tune_attention.py
-DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3, subnormal_codes=True, ptx_unpack=True),
+DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=2, subnormal_codes=True, ptx_unpack=True),
                  "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=3, subnormal_codes=False, ptx_unpack=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
 # The subnormal code path faults (illegal address) on the H200 at head_dim 64, where the biased one passes the GPU
@@ -275,8 +275,9 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
             scores = _scores_from_originals(q_rows, row_live, new_keys_ptr, new_key_rows, staged_keys_ptr,
                                             pool_page, pool_stride_token, offset, k_pos, context, seq_len,
                                             slot, HALF)
-            if logical_block < (kv_end - 1) // BLOCK_SIZE:
-                # the program's later rows are in the next block: this one is closed for them
+            if BLOCK_Q > 1 and logical_block < (kv_end - 1) // BLOCK_SIZE:
+                # the program's later rows are in the next block: this one is closed for them (a decode program
+                # has one row, so never: the constexpr test keeps the second score matrix out of its registers)
                 closed = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr,
                                              k_params, offset, written, HAS_POOL, BLOCK_SIZE, CODE_SCALE,
                                              HALF)
@@ -393,7 +394,9 @@ def _paged_attention_kernel(
                 new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                 False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, HAS_POOL, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
                 CODE_BIAS_BITS, CODE_BIAS, HALF)
-        for tile in range(own_tile, last_tile):
+        # not pipelined: its original-key tiles are 16-bit, and buffering them in shared memory (num_stages) would
+        # take the shared memory that lets a second program share the SM (occupancy) for at most a tile or two
+        for tile in tl.range(own_tile, last_tile, num_stages=1):
             m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
                 tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
                 seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,

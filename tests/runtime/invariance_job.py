@@ -48,7 +48,9 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 def engine_kwargs(scheme: str, condition: str) -> dict:
-    common = dict(max_model_len=512, max_num_seqs=16, enable_chunked_prefill=True, enforce_eager=True,
+    # 128-token pages for every format (S4 KV's size; vLLM's GPU default for bf16 is 16), so that
+    # num_gpu_blocks_override means the same tokens for all of them on every platform
+    common = dict(max_model_len=512, max_num_seqs=16, enable_chunked_prefill=True, enforce_eager=True, block_size=128,
                   dtype="bfloat16", seed=0, kv_cache_memory_bytes=64 * 2**20, disable_log_stats=False,
                   **CONDITIONS[condition])
     if scheme == "bf16":
