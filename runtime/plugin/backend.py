@@ -9,7 +9,7 @@ dequantized from the int4 cache (the chunk's own tokens included), are gathered 
 vLLM's own FlashAttention (FA3 on Hopper, FA2 elsewhere): one causal pass for int4_saw, two passes merged by
 log-sum-exp for int4_kivi (earlier blocks per channel, the own block from its original keys; kernels/prefill_plan.py);
 the batch is reordered decodes-first to split it. The CPU path
-(cpu_backend.py) reuses the backend, metadata and builder defined here and swaps the kernels for the torch reference.
+(cpu_backend.py) reuses the backend, metadata and builder defined here and swaps the kernels for torch ones.
 int4_kivi layers also own a staging pool (the open blocks' original keys); the builder assigns its slots per step
 (staging.py) and the store closes every block per channel from them.
 """

@@ -1,9 +1,10 @@
-"""S4 KV on vLLM's CPU platform: the same backend, pages and checks as the CUDA path, with the torch reference
-kernels (kernels/reference.py) in place of the Triton ones.
+"""S4 KV on vLLM's CPU platform: the same backend, pages and checks as the CUDA path, with torch in place of the
+Triton kernels: the reference store (kernels/reference.py) and the batched attention of kernels/cpu_attention.py,
+which reads the cache as the reference's attention does.
 
 vLLM's CPU platform ignores --attention-backend and always resolves CPU_ATTN, so the plugin routes CPU_ATTN here
 when (and only when) ``additional_config["s4kv"]`` is given (plugin.py). This is the path the offline demo and CI
-run; it is exact, not fast.
+run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport
 
-from s4kv.kernels import reference
+from s4kv.kernels import cpu_attention, reference
 from s4kv.kernels.scheme import Int4Scheme
 
 from .backend import S4KVAttentionBackend, S4KVAttentionImpl, S4KVMetadata, S4KVMetadataBuilder
@@ -40,10 +41,10 @@ class S4KVCpuMetadataBuilder(S4KVMetadataBuilder):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER  # no CUDA graphs on the CPU
 
     def _allocate_workspace(self, scheme: Int4Scheme) -> Any:
-        return None  # the reference attention needs no split-KV buffers
+        return None  # the CPU attention needs no split-KV buffers
 
     def _plan_prefill(self, m) -> None:
-        return None  # no FlashAttention on the CPU: the reference attends every token from the int4 cache
+        return None  # no FlashAttention on the CPU: every token is attended from the int4 cache
 
 
 class S4KVCpuAttentionImpl(S4KVAttentionImpl):
@@ -52,7 +53,7 @@ class S4KVCpuAttentionImpl(S4KVAttentionImpl):
         self._stage_open_keys = reference.stage_open_keys
 
     def _attend(self, query, key, value, kv_cache, m: S4KVMetadata, output) -> None:
-        """Every query through the reference (which returns float32); ``key`` is the step's keys, from which
-        int4_kivi reads a query's own block (kernels/reference.py, the read rule)."""
-        output.copy_(reference.paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
+        """Every query through kernels/cpu_attention (which returns float32); ``key`` is the step's keys, from which
+        int4_kivi reads a query's own block (docs/format.md, the read rule)."""
+        output.copy_(cpu_attention.paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
                                                self.scale, self.scheme, **self._pool_read(m, slice(None), key)))
