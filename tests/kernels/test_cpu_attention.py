@@ -6,12 +6,10 @@ and the step's keys, a missing pool slot, a block closed without a pool (staged 
 groups split by the score budget. The two compute the same float32 attention in different orders, so they agree to
 float32 rounding, and NaN in exactly the same (token, head) rows.
 
-``test_speed_against_the_reference`` prints a small timing table (no timed assertion).
+Speed against the reference: ``PYTHONPATH=tests python tests/kernels/bench_cpu_attention.py`` prints a table.
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -145,30 +143,3 @@ def test_bad_arguments_are_refused_as_the_reference_refuses_them(gen):
     with pytest.raises(ValueError, match="sequence_slots must be int32"):
         cpu_attention.paged_attention(*args, staged_keys=pool.staged_keys, sequence_slots=pool.sequence_slots.long(),
                                       new_keys=batch.key)
-
-
-def test_speed_against_the_reference(gen, capsys):
-    """A SmolLM2-shaped layer (9 query / 3 KV heads of 64, bf16): decode batches and a mixed batch; prints the
-    milliseconds per call of each and their ratio."""
-    rows = []
-    for name in ("int4_kivi", "int4_saw"):
-        scheme = SCHEMES[name]
-        for label, specs in (("8 decodes, 256 context", [(255, 1)] * 8), ("32 decodes, 1024 context", [(1023, 1)] * 32),
-                             ("4 prefills of 128 + 4 decodes", [(0, 128)] * 4 + [(200, 1)] * 4)):
-            batch, cache, pool = stored_step(gen, specs, 64, "cpu", num_q_heads=9, num_kv_heads=3, scheme=scheme,
-                                             dtype=torch.bfloat16)
-            timings = []
-            for attend in (cpu_attention.paged_attention, reference.paged_attention):
-                kwargs = {} if pool is None else dict(staged_keys=pool.staged_keys, sequence_slots=pool.sequence_slots,
-                                                      new_keys=batch.key)
-                calls = 0
-                started = time.perf_counter()
-                while calls < 3 or time.perf_counter() - started < 0.5:
-                    attend(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                           SOFTMAX_SCALE, scheme, **kwargs)
-                    calls += 1
-                timings.append((time.perf_counter() - started) / calls * 1e3)
-            rows.append(f"| {name} | {label} | {timings[0]:.2f} | {timings[1]:.2f} | {timings[1] / timings[0]:.1f}x |")
-    with capsys.disabled():
-        print("\n| scheme | batch (one layer) | batched ms | reference ms | speed-up |\n|---|---|---:|---:|---:|")
-        print("\n".join(rows))

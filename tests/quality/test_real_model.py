@@ -13,10 +13,10 @@ the same command with ``--engine vllm`` measures the real kernels. The sizes kee
 on two cores (about 5 minutes of CPU) while the paired intervals over 8 windows still separate the formats.
 
 The vLLM engine (``--engine vllm``) runs bf16 on vLLM's CPU attention and int4_kivi / int4_saw on this plugin's CPU
-backend (kernels/cpu_attention.py), after a served prompt only: that condition's three formats took 305 s on two
-cores, the all-decode condition 467 s more, beyond CI's budget (docs/results/quality.md has both). Both engines store
-the same int4 format from the same keys, so each ratio's 95% interval from one engine must overlap the other's (they
-differ by bf16 against float32 arithmetic in the model, which moves every number a little, inside the intervals).
+backend (kernels/cpu_attention.py), in both conditions (about 5 and 8 minutes on two cores; docs/results/quality.md).
+Both engines store the same int4 format from the same keys, so each ratio's 95% interval from one engine must overlap
+the other's (they differ by bf16 against float32 arithmetic in the model, which moves every number a little, inside
+the intervals).
 
 A relation is read off the interval of a ratio (ours / theirs, KL or perplexity): ``better`` when it lies below 1,
 ``worse`` above 1, ``level`` when it holds 1.
@@ -65,7 +65,7 @@ def relation(low: float, high: float) -> str:
 
 # through vLLM's CPU engine: the formats it runs on a CPU without AVX-512 (fp8 and vLLM's int4 are refused there)
 VLLM_FORMATS = "bf16_fa3,s4kv_kivi,s4kv_saw"
-VLLM_CONDITIONS = ["served"]
+VLLM_CONDITIONS = list(CONDITIONS)
 # both engines' ratios of these pairs (ours, theirs) are compared; KL only where theirs has a KL (not bf16)
 ENGINE_PAIRS = [("s4kv_kivi", "bf16_fa3"), ("s4kv_saw", "bf16_fa3"), ("s4kv_kivi", "s4kv_saw")]
 
