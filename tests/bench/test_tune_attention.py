@@ -72,7 +72,14 @@ def test_a_wrong_fast_config_cannot_win(tune, monkeypatch, capsys):
 
 def test_apply_writes_the_decode_winners_into_attention_source(tune):
     source = tune.ATTENTION_SOURCE.read_text()
-    current = {("int4_kivi", "decode"): ("subnormal+ptx", 128, 4, 3), ("int4_saw", "decode"): ("biased+ptx", 64, 4, 3)}
+    from s4kv.kernels.attention import DECODE_LAUNCH
+
+    def code_path(launch):
+        return next(name for name, fields in tune.CODE_PATHS.items()
+                    if all(getattr(launch, field) == value for field, value in fields.items()))
+
+    current = {(scheme, "decode"): (code_path(launch), launch.tile, launch.num_warps, launch.num_stages)
+               for scheme, launch in DECODE_LAUNCH.items()}
     assert tune.apply_decode_launch(source, current) == source  # today's defaults render as the file has them
 
     rows = [dict(scheme=s, kind="decode", batch=b, ctx=4096, codes=codes, tile=tile, warps=2, stages=3, us=us)
