@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .layout import KIVI_BLOCK_SIZE
-from .reference import PageViews, check_kivi_read, staged_flags
+from .reference import PageViews, check_kivi_read, staged_flags, unpack_nibbles
 from .scheme import Int4Scheme
 from .staging import check_pool_read
 
@@ -76,7 +76,7 @@ class _PageReader:
         g, n = blocks.shape
         heads = self.kv_cache.shape[1]
         pages = PageViews(self.kv_cache[blocks].view(g * n, heads, -1), self.head_dim)  # one gather of whole pages
-        codes = _unpack_float(_heads_first(pages.k_codes, g))  # [G, Hkv, n, 128, D]
+        codes = unpack_nibbles(_heads_first(pages.k_codes, g)).float()  # [G, Hkv, n, 128, D]
         raw_params = _heads_first(pages.k_params, g)  # [G, Hkv, n, 128, 2] fp16
         params = raw_params.float()
         if not self.scheme.is_kivi:
@@ -105,12 +105,13 @@ class _PageReader:
         params = _heads_first(pages.v_params, g).reshape(g, heads, 1, tokens, 2).float()
         params = params.masked_fill(~valid_tokens[:, None, None, :, None], 0.0)
         broken = ~torch.isfinite(params).all(-1)  # [G, Hkv, 1, tokens]
-        if broken.any():
+        any_broken = bool(broken.any())
+        if any_broken:
             params = params.masked_fill(broken[..., None], 0.0)
-        codes = _unpack_float(_heads_first(pages.v_codes, g))  # [G, Hkv, n, 128, D] (channel-major underneath)
+        codes = unpack_nibbles(_heads_first(pages.v_codes, g)).float()  # [G, Hkv, n, 128, D] (channel-major underneath)
         scaled = (probs * params[..., 0]).view(g, heads, r, n, KIVI_BLOCK_SIZE).transpose(2, 3)
         out = (scaled @ codes).sum(2) + (probs * params[..., 1]).sum(-1, keepdim=True)
-        if broken.any():
+        if any_broken:
             poisoned = (visible & broken).any(-1, keepdim=True)
             out = out.masked_fill(poisoned, float("nan"))
         return out
@@ -125,15 +126,6 @@ def _per_token_scores(q: torch.Tensor, codes: torch.Tensor, params: torch.Tensor
     """q [G, Hkv, R, D] against per-token keys codes * scale + min: (q . codes) * scale + sum(q) * min."""
     scale = params[..., 0].abs()[..., None, :]  # abs: the staged flag's sign bit
     return (q[:, :, None] @ codes.transpose(-1, -2)) * scale + q.sum(-1)[:, :, None, :, None] * params[..., None, :, 1]
-
-
-def _unpack_float(packed: torch.Tensor) -> torch.Tensor:
-    """reference.unpack_nibbles into a new contiguous float32 tensor (channel j low nibble, j + D/2 high)."""
-    half = packed.shape[-1]
-    out = torch.empty(*packed.shape[:-1], 2 * half, dtype=torch.float32, device=packed.device)
-    out[..., :half] = packed & 0xF
-    out[..., half:] = packed >> 4
-    return out
 
 
 def _attend_group(query, out, reader: _PageReader, block_table, seq_lens, query_start_loc, softmax_scale,
