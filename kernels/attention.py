@@ -59,9 +59,9 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
               "biased+ptx": {"subnormal_codes": False, "ptx_unpack": True},
               "subnormal+ptx": {"subnormal_codes": True, "ptx_unpack": True}}
 
-# measured on the H200 (docs/performance.md, tuning log): each scheme's fastest code path at batch 32-256 in the
-# kernel table of 2026-11-30, launch shape from tools/device/tune_attention.py
-DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=2, subnormal_codes=True, ptx_unpack=True),
+# measured on the H200 (docs/performance.md, levers and tuning log): each scheme's fastest code path at batch 32-256,
+# launch shape from tools/device/tune_attention.py; int4_kivi's three stages with its split counts (DECODE_SPLITS)
+DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3, subnormal_codes=True, ptx_unpack=True),
                  "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=3, subnormal_codes=False, ptx_unpack=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
 # The subnormal code path faults (illegal address) on the H200 at head_dim 64, where the biased one passes the GPU
@@ -454,11 +454,11 @@ def _merge_splits_kernel(
 
 # Split-KV decode: how many splits a batch gets, per scheme, by the KV-head programs per SM it gives unsplit
 # (num_seqs * num_kv_heads / SMs): (up to this many per SM, splits), first match. A function of the batch size
-# only, for a model and device, so every CUDA graph (captured per batch size) keeps its grid. int4_saw's decode
-# tile is half int4_kivi's, so it wants about twice the splits. Measured on the H200: each count is within 7% of
-# the fastest at every context of 4k-32k measured (tools/device/sweep_splits.py; `--apply` writes this table).
+# only, for a model and device, so every CUDA graph (captured per batch size) keeps its grid. Measured on the H200
+# at each scheme's DECODE_LAUNCH: each count is within 9% of the fastest at every context of 4k-32k measured
+# (tools/device/sweep_splits.py; `--apply` writes this table).
 DECODE_SPLITS = {
-    "int4_kivi": ((0.043, 64), (0.121, 32), (0.343, 8), (0.686, 4), (1.371, 2), (math.inf, 1)),
+    "int4_kivi": ((0.043, 64), (0.343, 32), (0.686, 16), (2.743, 8), (5.485, 4), (math.inf, 1)),
     "int4_saw": ((0.043, 128), (0.121, 64), (0.343, 16), (0.686, 8), (1.371, 4), (2.743, 2), (math.inf, 1)),
 }
 

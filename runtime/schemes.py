@@ -6,8 +6,10 @@ Standard library only: the CDK app, ``s4kv capacity`` and the kernels import thi
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, Mapping, MutableMapping, get_args
 
 # --- the schemes ---------------------------------------------------------------------------------------------
 SchemeName = Literal["int4_kivi", "int4_saw"]
@@ -29,6 +31,19 @@ CONFIG_KEY = "s4kv"  # additional_config key
 # vLLM 0.26 cannot learn a new --kv-cache-dtype string from a plugin; both schemes reuse this one's page budget.
 KV_CACHE_DTYPE = "int4_per_token_head"
 ATTENTION_BACKEND = "CUSTOM"
+V2_MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def choose_model_runner(additional_config: Any, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Select vLLM's V1 model runner in ``environ`` (a vLLM process's environment) for int4_kivi, whose staging slots
+    follow that runner (kernels/staging.py); vLLM 0.26 picks its V2 runner by default for dense models. Call before
+    vLLM builds its config. A runner the user chose is kept: the engine check then refuses V2 with the reason."""
+    options = additional_config.get(CONFIG_KEY) if isinstance(additional_config, Mapping) else None
+    if not isinstance(options, Mapping) or options.get("scheme") != KIVI or V2_MODEL_RUNNER_ENV in environ:
+        return
+    environ[V2_MODEL_RUNNER_ENV] = "0"
+    logging.getLogger("vllm.s4kv").info("S4 KV: int4_kivi runs on vLLM's V1 model runner (%s=0)",
+                                        V2_MODEL_RUNNER_ENV)
 
 # --- KV formats: what one token of one KV head costs in the cache --------------------------------------------
 KvFormatName = Literal["bf16", "fp8", "int4"]

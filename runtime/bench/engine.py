@@ -139,7 +139,7 @@ def main(spec_path: str) -> None:
     import vllm
     from vllm import LLM
 
-    from s4kv.runtime.plugin.config import choose_model_runner
+    from s4kv.runtime.schemes import choose_model_runner
 
     kwargs = engine_kwargs(spec)
     choose_model_runner(kwargs.get("additional_config"))

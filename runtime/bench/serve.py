@@ -42,6 +42,7 @@ from xml.sax.saxutils import escape
 from s4kv.runtime.cli.demo import wait_until_healthy
 
 from . import report as bench_report
+from ..schemes import choose_model_runner
 from .matrix import FORMATS, KVFormat, parse_names
 
 SERVED_NAME = "bench"
@@ -298,9 +299,11 @@ def start_server(fmt_name: str, model_dir: Path, args: argparse.Namespace, logs:
     fmt = FORMATS[fmt_name]
     port = free_port()
     log_path = logs / f"serve-{fmt_name}.log"
+    env = dict(os.environ)
+    choose_model_runner(fmt.additional_config, env)  # as `s4kv serve` does: int4_kivi on vLLM's V1 runner
     with open(log_path, "w") as log:
         process = subprocess.Popen(server_command(fmt, model_dir, port, args), stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   start_new_session=True, env=env)
     record = {"format": fmt_name, "label": fmt.label, "log": str(log_path), "points": []}
     return Server(fmt_name, process, f"http://127.0.0.1:{port}", log_path, time.monotonic(), record)
 

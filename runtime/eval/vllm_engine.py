@@ -120,7 +120,7 @@ def run(spec: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from s4kv.runtime.plugin.config import choose_model_runner
+    from s4kv.runtime.schemes import choose_model_runner
     from s4kv.runtime.plugin.forced_tokens import ForcedTokens
 
     fmt = FORMATS[spec["format"]]

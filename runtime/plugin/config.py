@@ -74,19 +74,6 @@ def find_options(additional_config: Any) -> Any | None:
     return None
 
 
-V2_MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-
-
-def choose_model_runner(additional_config: Any) -> None:
-    """Select vLLM's V1 model runner for int4_kivi, whose staging slots follow that runner (staging.py); vLLM 0.26
-    picks its V2 runner by default for dense models. Call before vLLM builds its config. A runner the user chose is
-    kept: the engine check then refuses V2 with the reason."""
-    options = find_options(additional_config)
-    if not isinstance(options, Mapping) or options.get("scheme") != KIVI or V2_MODEL_RUNNER_ENV in os.environ:
-        return
-    os.environ[V2_MODEL_RUNNER_ENV] = "0"
-    logger.info("S4 KV: int4_kivi runs on vLLM's V1 model runner (%s=0)", V2_MODEL_RUNNER_ENV)
-
 # ---------------------------------------------------------------------------------------------------------------
 # facts about the model and the engine settings
 # ---------------------------------------------------------------------------------------------------------------

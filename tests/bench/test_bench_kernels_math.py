@@ -101,7 +101,10 @@ def test_fill_chunks_store_every_token_once_with_the_documented_rows(bk, monkeyp
 def test_every_code_path_of_the_kernel_is_benchmarked_for_both_schemes(bk):
     from s4kv.kernels.attention import CODE_PATHS
 
-    assert set(bk.CODE_PATH_SUFFIX) == set(CODE_PATHS)
+    assert set(bk.CODE_PATH_SUFFIX) == set(CODE_PATHS) | {None}
+    # s4kv_kivi / s4kv_saw: the launch the backend runs (DECODE_LAUNCH), no code path forced
+    assert [bk.DECODE_METHODS[f"s4kv_{s}"][1].args for s in ("kivi", "saw")] == [
+        ({"scheme": "int4_kivi"}, None), ({"scheme": "int4_saw"}, None)]
     ours = {m for m in bk.DECODE_METHODS if m.startswith("s4kv_")}
     assert ours == ({f"s4kv_{s}{x}" for s in ("kivi", "saw") for x in bk.CODE_PATH_SUFFIX.values()} | {"s4kv_saw_rotv"})
     assert set(bk.METHODS) == set(bk.DECODE_METHODS) and bk.METHODS[0] == "fa3_bf16"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -140,3 +141,25 @@ def test_real_openai_server_on_the_cpu_engine(tmp_path):
         assert point["output_tok_s"] == pytest.approx(24 / point["wall_s"])
         assert math.isfinite(point["running_max"])
     assert (out / "serve.md").is_file() and 'class="series"' in (out / "serve.svg").read_text()
+
+
+def test_int4_kivi_servers_start_on_vllms_v1_runner_and_the_others_on_its_default(tmp_path, monkeypatch):
+    """Each server gets its own environment: int4_kivi's the V1 model runner (as `s4kv serve` selects it, or vLLM's
+    V2 default refuses the scheme at start-up), the other formats vLLM's default, whatever order they start in."""
+    started = {}
+
+    class FakePopen:
+        def __init__(self, argv, env, **_):
+            started[argv[argv.index("--kv-cache-dtype") + 1], "--additional-config" in argv and
+                    json.loads(argv[argv.index("--additional-config") + 1])["s4kv"]["scheme"]] = env
+            self.pid = 0
+
+    monkeypatch.setattr(bench_serve.subprocess, "Popen", FakePopen)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    args = cli.build_parser().parse_args(["bench", "--serve"])
+    for name in ("s4kv_kivi", "bf16_fa3", "s4kv_saw"):
+        bench_serve.start_server(name, tmp_path, args, tmp_path)
+    runner = {key: env.get("VLLM_USE_V2_MODEL_RUNNER") for key, env in started.items()}
+    assert runner == {("int4_per_token_head", "int4_kivi"): "0", ("auto", False): None,
+                      ("int4_per_token_head", "int4_saw"): None}
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ  # the bench process itself keeps vLLM's default

@@ -407,7 +407,7 @@ def test_serve_refuses_a_key_in_a_config_file(tmp_path, capsys):
     (None, None, None),  # no S4 KV: nothing changes
 ])
 def test_choose_model_runner_selects_v1_only_for_kivi(monkeypatch, additional_config, preset, expected):
-    from s4kv.runtime.plugin.config import V2_MODEL_RUNNER_ENV, choose_model_runner
+    from s4kv.runtime.schemes import V2_MODEL_RUNNER_ENV, choose_model_runner
 
     monkeypatch.delenv(V2_MODEL_RUNNER_ENV, raising=False)
     if preset is not None:

@@ -9,9 +9,11 @@ batches 1/32/128/256, for:
   fa3_fp8    the same on vLLM's fp8 (e4m3) cache: queries quantized to fp8 too, descales of 1 (kv_cache_dtype fp8)
   vllm_int4  vLLM 0.26.0's int4_per_token_head path (block 16): unified_attention_int4, RHT of q/out included,
              3D split-KV up to 32 sequences like its TRITON_ATTN backend
-  s4kv_kivi, s4kv_saw   s4kv.kernels.attention.paged_attention (block 128), its default launch
-  s4kv_*_sub, s4kv_*_ptx, s4kv_*_sub_ptx   the same with the other code paths (attention.CODE_PATHS: codes as
-             fp16 subnormal MMA operands, and/or unpacked by inline PTX)
+  s4kv_kivi, s4kv_saw   s4kv.kernels.attention.paged_attention (block 128) at the launch it picks itself
+             (DECODE_LAUNCH, what the backend runs)
+  s4kv_*_biased, s4kv_*_sub, s4kv_*_ptx, s4kv_*_sub_ptx   the same launch with each code path forced
+             (attention.CODE_PATHS: codes biased or as fp16 subnormal MMA operands, unpacked by Triton ops or by
+             inline PTX)
   s4kv_saw_rotv   int4_saw with its rotate_values option (values rotated like keys, as vLLM's int4 does), at the
              committed decode launch
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
@@ -47,8 +49,9 @@ SHAPES = {"qwen2.5-7b": (28, 4), "llama-3.1-8b": (32, 8)}
 NUM_Q_HEADS, NUM_KV_HEADS = SHAPES["qwen2.5-7b"]
 HEAD_DIM = 128
 BYTES_PER_TOKEN_HEAD = {"int4": 136, "fp8": 2 * HEAD_DIM, "bf16": 2 * HEAD_DIM * 2}
-# code path (kernels.attention.CODE_PATHS) -> method-name suffix
-CODE_PATH_SUFFIX = {"biased": "", "subnormal": "_sub", "biased+ptx": "_ptx", "subnormal+ptx": "_sub_ptx"}
+# code path forced (kernels.attention.CODE_PATHS) -> method-name suffix; no suffix: the committed launch
+CODE_PATH_SUFFIX = {None: "", "biased": "_biased", "subnormal": "_sub", "biased+ptx": "_ptx",
+                    "subnormal+ptx": "_sub_ptx"}
 METHODS = ("fa3_bf16", "fa3_fp8", "vllm_int4") + tuple(f"s4kv_{scheme}{suffix}" for suffix in CODE_PATH_SUFFIX.values()
                                              for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv",)
 FORMAT_OF = {method: {"fa3_bf16": "bf16", "fa3_fp8": "fp8"}.get(method, "int4") for method in METHODS}

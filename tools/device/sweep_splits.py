@@ -83,12 +83,13 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
 def split_table(chosen: dict[int, dict], num_sms: int) -> tuple[tuple[float, int], ...]:
     """One scheme's DECODE_SPLITS entry from its chosen counts: each measured point's count holds up to the
     geometric mean of its KV-head programs and the next point's (per SM); the last holds beyond; equal neighbours
-    merge."""
+    merge. A point never gets more splits than the point before it (a larger batch already fills the SMs: where a
+    sweep says otherwise, the counts were within a few percent)."""
     points = sorted(chosen)
     table: list[tuple[float, int]] = []
     for here, after in zip(points, points[1:] + [None]):
         bound = math.inf if after is None else round(math.sqrt(here * after) / num_sms, 3)
-        splits = chosen[here]["splits"]
+        splits = min(chosen[here]["splits"], table[-1][1]) if table else chosen[here]["splits"]
         if table and table[-1][1] == splits:
             table[-1] = (bound, splits)
         else:
