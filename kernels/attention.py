@@ -6,11 +6,10 @@ and dequantized once per KV head (GQA shared). Rows of the [BLOCK_M, head_dim] q
 
 Scores are taken in the space the keys are stored in: int4_saw keys are rotated, so the program rotates Q once (the
 rotation is orthonormal, scores are unchanged); int4_kivi blocks closed per channel hold unrotated keys and use Q as
-is. int4_kivi reads a
-query's own block (the 128-token page holding its position) from the original keys in the model dtype: this step's
-rows of ``new_keys`` and, for the tokens of the block an earlier step wrote, the staging pool (kernels/staging.py);
-only the tile(s) of a program's own blocks take that path. Values always come from the cache. With rotated values
-the output is un-rotated at the end.
+is. int4_kivi reads a query's own block (the 128-token page holding its position) from the original keys in the
+model dtype: this step's rows of ``new_keys`` and, for the tokens of the block an earlier step wrote, the staging
+pool (kernels/staging.py); only the tile(s) of a program's own blocks take that path. Values always come from the
+cache. With rotated values the output is un-rotated at the end.
 
 Decode batches (max_query_len == 1) with a workspace split the context over NUM_SPLITS programs (flash-decoding)
 and a second kernel merges the partial softmaxes. Grids depend only on the token count, the number of sequences
