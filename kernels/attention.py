@@ -4,13 +4,12 @@ One kernel serves decode, prefill and chunked prefill with a cached prefix (mixe
 them). A program owns BLOCK_Q query tokens x all GROUP query heads of one KV head, so every K/V tile is loaded
 and dequantized once per KV head (GQA shared). Rows of the [BLOCK_M, head_dim] query tile are (token, head) pairs.
 
-Scores are taken in the space the keys are stored in: int4_saw keys (and, without int4_kivi's staging pool, a
-KIVI block closed over several batches) are rotated, so the program rotates Q once (the rotation is orthonormal,
-scores are unchanged); int4_kivi blocks closed per channel hold unrotated keys and use Q as is. int4_kivi reads a
-query's own block (the 128-token page holding its position) from the original keys in the model dtype: this step's
-rows of ``new_keys`` and, for the tokens of the block an earlier step wrote, the staging pool (kernels/staging.py);
-only the tile(s) of a program's own blocks take that path. Values always come from the cache. With rotated values
-the output is un-rotated at the end.
+Scores are taken in the space the keys are stored in: int4_saw keys are rotated, so the program rotates Q once (the
+rotation is orthonormal, scores are unchanged); int4_kivi blocks closed per channel hold unrotated keys and use Q as
+is. int4_kivi reads a query's own block (the 128-token page holding its position) from the original keys in the
+model dtype: this step's rows of ``new_keys`` and, for the tokens of the block an earlier step wrote, the staging
+pool (kernels/staging.py); only the tile(s) of a program's own blocks take that path. Values always come from the
+cache. With rotated values the output is un-rotated at the end.
 
 Decode batches (max_query_len == 1) with a workspace split the context over NUM_SPLITS programs (flash-decoding)
 and a second kernel merges the partial softmaxes. Grids depend only on the token count, the number of sequences
@@ -30,8 +29,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from .layout import KIVI_BLOCK_SIZE, PageLayout, check_head_dim, tile_tokens
 from .scheme import Int4Scheme
 from .staging import check_new_keys, check_pool_read
-from .triton_common import (kivi_block_is_per_channel, load_channel_params, load_key_token_params, load_token_params,
-                            rotate_halves)
+from .triton_common import load_channel_params, load_token_params, rotate_halves
 
 LOG2E = 1.4426950408889634
 # the 16-bit floats whose mantissa ulp is exactly 1, as bits: a code ORed in is the float bias + code
@@ -179,7 +177,7 @@ def _load_codes(cache_u8_ptr, page, region, offset, CHANNEL_MAJOR: tl.constexpr,
 def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
                       CODE_SCALE: tl.constexpr):
     """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys."""
-    s_t, m_t = load_key_token_params(cache_f16_ptr, k_params, offset, written)
+    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written)
     raw = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
     return raw * (s_t * CODE_SCALE)[None, :] + q_sum[:, None] * m_t[None, :]
 
@@ -222,29 +220,12 @@ def _scores_from_originals(q_rows, row_live, new_keys_ptr, new_key_rows, staged_
 
 
 @triton.jit
-def _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
-                        HAS_POOL: tl.constexpr, BLOCK_SIZE: tl.constexpr, CODE_SCALE: tl.constexpr,
-                        HALF: tl.constexpr):
-    """Q K^T for an int4_kivi block before the query's own block (full, so closed), from its codes k_lo/k_hi. With
-    the staging pool every block closes per channel; without it a block filled over several batches kept its
-    staged per-token keys, which token 0's flag bit tells (kivi_block_is_per_channel)."""
-    if HAS_POOL:
-        scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
-    elif kivi_block_is_per_channel(cache_f16_ptr, k_params, 0, BLOCK_SIZE, BLOCK_SIZE):
-        scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
-    else:
-        scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
-                                   CODE_SCALE)
-    return scores
-
-
-@triton.jit
 def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
                  seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                  block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                  new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                  OWN: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 IS_KIVI: tl.constexpr, HAS_POOL: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
+                 IS_KIVI: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
                  CODE_SCALE: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
                  CODE_BIAS: tl.constexpr, HALF: tl.constexpr):
     """One K/V tile into the online softmax (m_i, l_i) and the accumulators; OWN: the tile may hold keys of a
@@ -267,8 +248,7 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
                              IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
     if IS_KIVI:
         if not OWN:  # a block before the program's own blocks: closed for every row, per channel
-            scores = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr,
-                                         k_params, offset, written, HAS_POOL, BLOCK_SIZE, CODE_SCALE, HALF)
+            scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
         else:
             new_key_rows = ((q_start - context + k_pos).to(tl.int64) * new_keys_stride_t
                             + kv_head * new_keys_stride_h)
@@ -278,9 +258,7 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
             if BLOCK_Q > 1 and logical_block < (kv_end - 1) // BLOCK_SIZE:
                 # the program's later rows are in the next block: this one is closed for them (a decode program
                 # has one row, so never: the constexpr test keeps the second score matrix out of its registers)
-                closed = _scores_closed_kivi(q_lo, q_hi, qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr,
-                                             k_params, offset, written, HAS_POOL, BLOCK_SIZE, CODE_SCALE,
-                                             HALF)
+                closed = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
                 own = (q_pos // BLOCK_SIZE == logical_block)[:, None]
                 scores = tl.where(own, scores, closed)
     else:
@@ -325,7 +303,7 @@ def _paged_attention_kernel(
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_table_stride, stride_block, stride_head,
     new_keys_stride_t, new_keys_stride_h, pool_stride_slot, pool_stride_head, pool_stride_token,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, IS_KIVI: tl.constexpr, HAS_POOL: tl.constexpr, HADAMARD_BLOCK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_KIVI: tl.constexpr, HADAMARD_BLOCK: tl.constexpr,
     ROTATE_V: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
@@ -366,8 +344,7 @@ def _paged_attention_kernel(
             # the own blocks of this program's queries: every tile from first_own_block on is read from the
             # original keys for the rows in its block (a multi-query program may span two blocks)
             first_own_block = (context + local_block * BLOCK_Q) // BLOCK_SIZE
-            if HAS_POOL:  # without a pool, slot -1: a read of it is an error that shows as NaN
-                slot = tl.load(sequence_slots_ptr + seq)
+            slot = tl.load(sequence_slots_ptr + seq)
             pool_page = slot.to(tl.int64) * pool_stride_slot + kv_head * pool_stride_head
 
         kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
@@ -392,7 +369,7 @@ def _paged_attention_kernel(
                 seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                 block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                 new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, HAS_POOL, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
+                False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
                 CODE_BIAS_BITS, CODE_BIAS, HALF)
         # not pipelined: its original-key tiles are 16-bit, and buffering them in shared memory (num_stages) would
         # take the shared memory that lets a second program share the SM (occupancy) for at most a tile or two
@@ -402,7 +379,7 @@ def _paged_attention_kernel(
                 seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                 block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                 new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                True, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, HAS_POOL, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
+                True, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
                 CODE_BIAS_BITS, CODE_BIAS, HALF)
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * CODE_SCALE + acc_min[:, None]
@@ -544,14 +521,13 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     past T are never read) for this step's tokens, and the staging pool ``staged_keys`` [slots, Hkv, 128, D] at
     ``sequence_slots`` int32 [num_seqs] (the slot of the block each sequence's step starts in, -1 where the step
     starts on a block boundary) for the earlier tokens of that block; every earlier block per channel. Both in the
-    query's dtype. Without a pool, blocks closed over several batches keep their staged keys (store.store_kv)."""
+    query's dtype; int4_saw takes neither."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query must be [T, Hq, D] with Hq a multiple of {num_kv_heads}, got {tuple(query.shape)}")
     check_pool_read(staged_keys, sequence_slots, seq_lens.shape[0], num_kv_heads, head_dim, scheme)
-    has_pool = staged_keys is not None
-    if has_pool and (staged_keys.dtype != query.dtype or staged_keys.stride(-1) != 1):
+    if scheme.is_kivi and (staged_keys.dtype != query.dtype or staged_keys.stride(-1) != 1):
         raise ValueError(f"staged_keys must be {query.dtype} (the query's dtype) with contiguous channels, got "
                          f"{staged_keys.dtype} strides {staged_keys.stride()}")
     layout = PageLayout.of_cache(kv_cache, head_dim)
@@ -560,8 +536,8 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
     if scheme.is_kivi:
         check_new_keys(new_keys, num_tokens, num_kv_heads, head_dim, query.dtype)
-    else:
-        new_keys = query  # int4_saw reads every key from the cache: the argument is unused
+    else:  # int4_saw reads every key from the cache: the arguments are unused
+        new_keys, staged_keys, sequence_slots = query, query, seq_lens
     num_seqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     decode = max_query_len == 1
@@ -590,13 +566,13 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     _paged_attention_kernel[grid](
         query, out, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, query_start_loc,
         workspace.part_acc if num_splits > 1 else dummy, workspace.part_ml if num_splits > 1 else dummy,
-        new_keys, staged_keys if has_pool else query, sequence_slots if has_pool else seq_lens,
+        new_keys, staged_keys, sequence_slots,
         softmax_scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), new_keys.stride(0), new_keys.stride(1),
-        *(staged_keys.stride()[:3] if has_pool else (0, 0, 0)),
+        *(staged_keys.stride()[:3] if scheme.is_kivi else (0, 0, 0)),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile_tokens(block_size, launch.tile), BLOCK_SIZE=block_size,
-        IS_KIVI=scheme.is_kivi, HAS_POOL=has_pool, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
+        IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
         **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .layout import KIVI_BLOCK_SIZE
-from .reference import PageViews, check_kivi_read, staged_flags, unpack_nibbles
+from .reference import PageViews, check_kivi_read, unpack_nibbles
 from .scheme import Int4Scheme
 from .staging import check_pool_read
 
@@ -41,7 +41,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sof
     num_kv_heads = kv_cache.shape[1]
     check_pool_read(staged_keys, sequence_slots, seq_lens.shape[0], num_kv_heads, query.shape[-1], scheme)
     if scheme.is_kivi:
-        check_kivi_read(new_keys, staged_keys, query, num_kv_heads)
+        check_kivi_read(new_keys, query, num_kv_heads)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     reader = _PageReader(kv_cache, scheme, query.shape[-1])
@@ -69,16 +69,15 @@ class _PageReader:
         self.head_dim = head_dim
         self.rotation = scheme.rotation(head_dim, kv_cache.device)
 
-    def scores(self, q: torch.Tensor, blocks: torch.Tensor, full_blocks: torch.Tensor):
+    def scores(self, q: torch.Tensor, blocks: torch.Tensor):
         """Scores [G, Hkv, R, n, 128] of q [G, Hkv, R, D] (int4_saw: already rotated) against the stored keys of
-        ``blocks`` [G, n]: int4_kivi per channel (a full block flagged as staged, closed without a pool, per token
-        after the rotation), int4_saw per token. Also returns the gathered pages for ``values``."""
+        ``blocks`` [G, n]: int4_kivi per channel, int4_saw per token. Also returns the gathered pages for
+        ``values``."""
         g, n = blocks.shape
         heads = self.kv_cache.shape[1]
         pages = PageViews(self.kv_cache[blocks].view(g * n, heads, -1), self.head_dim)  # one gather of whole pages
         codes = unpack_nibbles(_heads_first(pages.k_codes, g)).float()  # [G, Hkv, n, 128, D]
-        raw_params = _heads_first(pages.k_params, g)  # [G, Hkv, n, 128, 2] fp16
-        params = raw_params.float()
+        params = _heads_first(pages.k_params, g).float()  # [G, Hkv, n, 128, 2]
         if not self.scheme.is_kivi:
             return _per_token_scores(q, codes, params), pages
         # a closed block's params are per channel: (scale, min) of channel c at entry c
@@ -89,10 +88,6 @@ class _PageReader:
         else:
             keys = codes * per_channel[..., None, :, 0] + per_channel[..., None, :, 1]
             scores = q[:, :, None] @ keys.transpose(-1, -2)
-        flagged = staged_flags(raw_params) & full_blocks[:, None]  # [G, Hkv, n]
-        if flagged.any():
-            staged = _per_token_scores(q @ self.rotation.T, codes, params)
-            scores = torch.where(flagged[..., None, None], staged, scores)
         return scores, pages
 
     def values(self, pages: PageViews, probs: torch.Tensor, valid_tokens: torch.Tensor, visible: torch.Tensor):
@@ -124,7 +119,7 @@ def _heads_first(view: torch.Tensor, g: int) -> torch.Tensor:
 
 def _per_token_scores(q: torch.Tensor, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """q [G, Hkv, R, D] against per-token keys codes * scale + min: (q . codes) * scale + sum(q) * min."""
-    scale = params[..., 0].abs()[..., None, :]  # abs: the staged flag's sign bit
+    scale = params[..., 0][..., None, :]
     return (q[:, :, None] @ codes.transpose(-1, -2)) * scale + q.sum(-1)[:, :, None, :, None] * params[..., None, :, 1]
 
 
@@ -147,7 +142,7 @@ def _attend_group(query, out, reader: _PageReader, block_table, seq_lens, query_
         q = q @ reader.rotation.T  # scores against the rotated keys: (q R^T) . (k R) = q . k
     # [G, Hkv, R, D], R = group * q_len: a row is (q head of the group, query position)
     q = q.view(g, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(g, num_kv_heads, -1, head_dim)
-    scores, pages = reader.scores(q, blocks, (block_index + 1) * bsz <= lens[:, None])
+    scores, pages = reader.scores(q, blocks)
     scores = scores.transpose(2, 3).reshape(g, num_kv_heads, -1, n * bsz) * softmax_scale
     q_pos = chunk_start[:, None] + torch.arange(q_len, device=device)  # [G, q_len]
     if scheme.is_kivi:

@@ -20,8 +20,7 @@ import triton.language as tl
 from .layout import KIVI_BLOCK_SIZE, PageLayout, tile_tokens
 from .scheme import Int4Scheme
 from .staging import check_new_keys, check_pool_read
-from .triton_common import (kivi_block_is_per_channel, load_channel_params, load_key_token_params, load_token_params,
-                            rotate_halves_fp32)
+from .triton_common import load_channel_params, load_token_params, rotate_halves_fp32
 
 TILE = 64
 
@@ -36,7 +35,7 @@ def _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params, HALF: tl.constexpr):
 def _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, written, HADAMARD_BLOCK: tl.constexpr,
                     HALF: tl.constexpr):
     """Per-token dequantization, then back from the rotated space (R is its own inverse)."""
-    s_t, m_t = load_key_token_params(cache_f16_ptr, k_params, offset, written)
+    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written)
     return rotate_halves_fp32(k_lo * s_t[:, None] + m_t[:, None], k_hi * s_t[:, None] + m_t[:, None], HADAMARD_BLOCK,
                               HALF)
 
@@ -67,11 +66,11 @@ def _gather_dense_kernel(
         k_lo = (k_bytes & 15).to(tl.float32)
         k_hi = (k_bytes >> 4).to(tl.float32)
         k_params = (page + (2 * HALF + 4) * BLOCK_SIZE) // 2  # layout.py: (D + 4) * B
-        if IS_KIVI and kivi_block_is_per_channel(cache_f16_ptr, k_params, logical_block, seq_len, BLOCK_SIZE):
+        if IS_KIVI and (logical_block + 1) * BLOCK_SIZE <= seq_len:  # a full int4_kivi block is closed
             k_lo, k_hi = _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params, HALF)
         else:
             # int4_saw; int4_kivi's last block when not full (never read: it is the own block of its queries,
-            # gather_own_keys rewrites it) and, without a staging pool, a block closed over several batches
+            # gather_own_keys rewrites it)
             k_lo, k_hi = _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, written, HADAMARD_BLOCK, HALF)
 
         v_bytes = tl.load(cache_u8_ptr + page + HALF * BLOCK_SIZE + offset[:, None] + ch[None, :] * BLOCK_SIZE,
@@ -146,7 +145,7 @@ def gather_dense_kv(kv_cache, block_table, seq_lens, cu_pages, max_seq_len: int,
                     dense_v, head_dim: int) -> None:
     """Write every token of every sequence, K and V dequantized from the int4 cache, into the dense pages
     dense_k/dense_v [pages, block_size, Hkv, head_dim] (FlashAttention's paged layout), sequence i's page p at
-    ``cu_pages[i] + p``. int4_kivi keys: full blocks per channel (with the staging pool every block closes so);
+    ``cu_pages[i] + p``. int4_kivi keys: full blocks per channel (the staging pool closes every block so);
     the last block of a sequence, when not full, is left for gather_own_keys. Rows past a sequence's end are 0."""
     num_seqs = seq_lens.shape[0]
     num_kv_heads = kv_cache.shape[1]
@@ -179,8 +178,6 @@ def gather_own_keys(new_keys, staged_keys, sequence_slots, seq_lens, query_start
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = dense_k.shape
     check_pool_read(staged_keys, sequence_slots, num_seqs, num_kv_heads, head_dim, Int4Scheme("int4_kivi"))
-    if staged_keys is None:
-        raise ValueError("gather_own_keys needs int4_kivi's staging pool (staged_keys and sequence_slots)")
     check_new_keys(new_keys, 0, num_kv_heads, head_dim, staged_keys.dtype)
     _check_pages(dense_k, KIVI_BLOCK_SIZE, num_kv_heads, head_dim)
     if staged_keys.stride(-1) != 1:

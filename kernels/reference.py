@@ -10,10 +10,8 @@ CPU engine. Semantics (shared with the Triton kernels in store.py and attention.
 * int4_saw: keys (and values if ``rotate_values``) are quantized per token after ``x @ R``, ``R`` the
   block-diagonal Hadamard; attention un-rotates implicitly (R is orthonormal);
 * int4_kivi: values per token, unrotated. Keys of an open (partially filled) block are staged per token after
-  the full-head rotation. With the staging pool (kernels/staging.py) every block is quantized per channel from its
-  128 original keys when its last slot is written. Without it (a store of its own, no engine), a block whose last
-  slot is written in a batch holding all 128 of its keys is quantized per channel; a block filled over several
-  batches keeps its staged keys, marked by the sign bit of token 0's key scale (``staged_flags``);
+  the full-head rotation, and their originals kept in the staging pool (kernels/staging.py, required): every block
+  is quantized per channel from its 128 original keys when its last slot is written;
 * attention (the read rule, docs/format.md): values and int4_saw keys are dequantized from the cache as stored,
   for every key including the step's own. int4_kivi keys of blocks before the query's own block are read per
   channel from the cache; keys of the query's own block are the original keys: the step's own ``new_keys`` for
@@ -26,7 +24,7 @@ import torch
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout
 from .scheme import Int4Scheme
-from .staging import check_pool_read, check_staging
+from .staging import check_pool_given, check_pool_read, check_staging
 
 QMAX = 15
 EPS = 2.0**-14  # smallest normal fp16: a constant vector keeps a representable, positive scale
@@ -109,16 +107,17 @@ def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme, staged_keys
     the pool slot of its block): every block whose last slot this batch writes is closed per channel from its
     original keys, the earlier ones read back from the pool, and the keys of blocks still open afterwards are
     copied into it (``stage``; the engine passes False and calls stage_open_keys after attention, which still reads
-    the earlier keys of the block a step starts in from the slot that block's successor is staged into). Without a
-    pool, a block filled over several batches closes flagged, keeping its staged keys.
+    the earlier keys of the block a step starts in from the slot that block's successor is staged into). int4_kivi
+    requires them, int4_saw takes neither.
     """
     head_dim = key.shape[-1]
     pages = PageViews(kv_cache, head_dim)
     bsz = pages.block_size
     if scheme.is_kivi and bsz != KIVI_BLOCK_SIZE:
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {bsz}")
-    if (staged_keys is None) != (staging_slots is None) or (staged_keys is not None and not scheme.is_kivi):
-        raise ValueError("staged_keys and staging_slots go together, and only with int4_kivi")
+    check_pool_given(scheme, staged_keys, staging_slots, "staging_slots")
+    if scheme.is_kivi:
+        check_staging(staged_keys, staging_slots, key, bsz)
     rot = scheme.rotation(head_dim, key.device)
     slots = slot_mapping.long()
     live = (slots >= 0).nonzero().squeeze(1)
@@ -133,10 +132,6 @@ def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme, staged_keys
         params_view[blk, :, off] = torch.stack([scale, minimum], -1)
     if not scheme.is_kivi:
         return
-    if staged_keys is None:
-        _close_kivi_blocks(key, slots, pages)
-        return
-    check_staging(staged_keys, staging_slots, key, bsz)
     staging_slots = staging_slots.long()
     # the closes read the pool before this batch's open-block keys are copied in (a sequence keeps one slot, which
     # a chunk may both close from and refill)
@@ -194,28 +189,10 @@ def _write_per_channel(pages: PageViews, blk: int, originals: torch.Tensor) -> N
     for h in range(originals.shape[1]):
         codes, scale, minimum = quantize_per_channel(originals[:, h].float())
         pages.k_codes[blk, h] = pack_nibbles(codes)
-        # a clear sign bit says "per channel", also for a NaN scale (a broken input); below head_dim 128 the
-        # channels' params fill the first head_dim entries and the rest is cleared, so the closed block's
-        # bytes depend on its keys alone
+        # below head_dim 128 the channels' params fill the first head_dim entries and the rest is cleared, so the
+        # closed block's bytes depend on its keys alone
         pages.k_params[blk, h] = 0
-        pages.k_params[blk, h, :head_dim] = torch.stack([scale.abs(), minimum], -1)
-
-
-def _close_kivi_blocks(key, slots, pages: PageViews) -> None:
-    bsz = pages.block_size
-    for i in closing_rows(slots, bsz).tolist():
-        blk = int(slots[i]) // bsz
-        if not rows_in_batch(slots, i, bsz).all():
-            # some keys exist only as staged codes: keep the block staged, flagged in token 0's key scale
-            pages.k_params[blk, :, 0, 0] = -pages.k_params[blk, :, 0, 0].abs()
-            continue
-        _write_per_channel(pages, blk, key[i - bsz + 1 : i + 1])
-
-
-def staged_flags(k_params: torch.Tensor) -> torch.Tensor:
-    """For the key params [..., B, 2] of blocks: True where a closed int4_kivi block kept its staged keys (the
-    sign bit of token 0's scale; scales are never negative otherwise, so -0.0 and a negative NaN count)."""
-    return k_params[..., 0, 0].view(torch.int16) < 0
+        pages.k_params[blk, h, :head_dim] = torch.stack([scale, minimum], -1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -231,12 +208,11 @@ def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Sch
     blocks = block_table_row[:nblocks].long()
     k_codes = unpack_nibbles(pages.k_codes[blocks])  # [n, Hkv, B, D]
     kp = pages.k_params[blocks]
-    k = dequantize_per_token(k_codes, kp[..., 0].abs(), kp[..., 1]) @ rot  # abs: the staged flag (staged_flags)
-    if scheme.is_kivi:
-        full = torch.arange(nblocks, device=kv_cache.device) * bsz + bsz <= seq_len
-        closed = full[:, None] & ~staged_flags(kp)  # [n, Hkv]: per head, as every head's page carries its flag
+    k = dequantize_per_token(k_codes, kp[..., 0], kp[..., 1]) @ rot
+    if scheme.is_kivi:  # full blocks are closed, per channel
+        closed = torch.arange(nblocks, device=kv_cache.device) * bsz + bsz <= seq_len
         per_channel = dequantize_per_channel(k_codes, kp[..., None, :head_dim, 0], kp[..., None, :head_dim, 1])
-        k = torch.where(closed[:, :, None, None], per_channel, k)
+        k = torch.where(closed[:, None, None, None], per_channel, k)
     vp = pages.v_params[blocks]
     v = dequantize_per_token(unpack_nibbles(pages.v_codes[blocks]), vp[..., 0], vp[..., 1])
     if scheme.rotate_values:
@@ -260,7 +236,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sof
     that needs a pool row of a sequence without a slot gets NaN."""
     check_pool_read(staged_keys, sequence_slots, seq_lens.shape[0], kv_cache.shape[1], query.shape[-1], scheme)
     if scheme.is_kivi:
-        check_kivi_read(new_keys, staged_keys, query, kv_cache.shape[1])
+        check_kivi_read(new_keys, query, kv_cache.shape[1])
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     num_kv_heads = kv_cache.shape[1]
     group = query.shape[1] // num_kv_heads
@@ -300,11 +276,12 @@ def own_block_keys(step_keys: torch.Tensor, staged_keys: torch.Tensor, slot: int
     return torch.cat([pool_rows, step_keys.float()])
 
 
-def check_kivi_read(new_keys, staged_keys, query: torch.Tensor, num_kv_heads: int) -> None:
-    """int4_kivi attention reads the query's own block from the original keys: the step's and the pool's."""
-    if new_keys is None or staged_keys is None:
-        raise ValueError("int4_kivi attention needs the step's keys (new_keys) and the staging pool (staged_keys, "
-                         "sequence_slots): a query reads its own block's original keys")
+def check_kivi_read(new_keys, query: torch.Tensor, num_kv_heads: int) -> None:
+    """int4_kivi attention reads the query's own block from the original keys: the step's (the pool's are checked
+    by check_pool_read)."""
+    if new_keys is None:
+        raise ValueError("int4_kivi attention needs the step's keys (new_keys): a query reads its own block's "
+                         "original keys")
     expected = (num_kv_heads, query.shape[-1])
     if new_keys.dim() != 3 or tuple(new_keys.shape[1:]) != expected or new_keys.shape[0] < query.shape[0]:
         raise ValueError(f"new_keys must be [>= {query.shape[0]} tokens, {expected[0]}, {expected[1]}] (the step's "

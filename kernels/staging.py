@@ -5,8 +5,9 @@ batches (chunked prefill, decode steps), so the keys of a page that is not full 
 in a pool of slots beside the int4 cache: ``staged_keys[slot, kv_head, offset, :]``, one slot per sequence with an
 open page. The store (reference.store_kv, store.store_kv) closes a page from the batch's own rows plus the pool's
 rows for the offsets earlier batches wrote, then copies the keys of pages still open into their slot. The page's
-bytes are then a function of its 128 keys alone, whatever the write pattern. docs/format.md gives the design: who
-assigns slots, how they are released, what the pool costs in KV capacity.
+bytes are then a function of its 128 keys alone, whatever the write pattern. int4_kivi stores and reads always take
+the pool; int4_saw takes none. docs/format.md gives the design: who assigns slots, how they are released, what the pool
+costs in KV capacity.
 """
 
 from __future__ import annotations
@@ -22,6 +23,26 @@ def allocate_pool(num_slots: int, num_kv_heads: int, block_size: int, head_dim: 
     return torch.empty(num_slots, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
 
 
+def sequence_staging_slots(tokens_per_sequence, device) -> torch.Tensor:
+    """staging_slots for a store outside the engine (tests, tools) whose rows are the tokens of whole sequences, one
+    sequence after the other: sequence i's rows stage into pool slot i (a pool of allocate_pool(len(...), ...))."""
+    counts = torch.as_tensor(tokens_per_sequence, device=device)
+    return torch.arange(counts.shape[0], device=device).repeat_interleave(counts)
+
+
+def check_pool_given(scheme, staged_keys, slots, slots_name: str) -> None:
+    """int4_kivi stores and reads with its staging pool every time (a closed page is quantized per channel from its
+    original keys, a query reads its own page's originals): ``staged_keys`` and the slots (``slots_name``) are both
+    required; int4_saw takes neither."""
+    given = staged_keys is not None, slots is not None
+    if scheme.is_kivi and not all(given):
+        raise ValueError(f"int4_kivi needs its staging pool: staged_keys and {slots_name} (kernels/staging.py; "
+                         f"outside the engine allocate_pool and sequence_staging_slots build them)")
+    if not scheme.is_kivi and any(given):
+        raise ValueError(f"{scheme.name} takes no staging pool (staged_keys, {slots_name}): only int4_kivi stages "
+                         f"keys")
+
+
 def check_staging(staged_keys: torch.Tensor, staging_slots: torch.Tensor, key: torch.Tensor, block_size: int) -> None:
     """A pool that fits the batch's keys (same heads, head_dim and dtype: the model's keys, unrounded) and a slot
     entry for every token."""
@@ -33,12 +54,11 @@ def check_staging(staged_keys: torch.Tensor, staging_slots: torch.Tensor, key: t
 
 
 def check_pool_read(staged_keys, sequence_slots, num_seqs: int, num_kv_heads: int, head_dim: int, scheme) -> None:
-    """The pool and per-sequence slots an attention read takes: both or neither, int4_kivi only, one int32 slot per
-    sequence, a pool of the cache's heads, 128-token pages and head_dim."""
-    if staged_keys is None and sequence_slots is None:
+    """The pool and per-sequence slots an attention read takes: int4_kivi always (check_pool_given), one int32 slot
+    per sequence, a pool of the cache's heads, 128-token pages and head_dim; int4_saw none."""
+    check_pool_given(scheme, staged_keys, sequence_slots, "sequence_slots")
+    if not scheme.is_kivi:
         return
-    if staged_keys is None or sequence_slots is None or not scheme.is_kivi:
-        raise ValueError("staged_keys and sequence_slots go together, and only with int4_kivi")
     if staged_keys.dim() != 4 or tuple(staged_keys.shape[1:]) != (num_kv_heads, KIVI_BLOCK_SIZE, head_dim):
         raise ValueError(f"staged_keys must be [slots, {num_kv_heads}, {KIVI_BLOCK_SIZE}, {head_dim}], got "
                          f"{tuple(staged_keys.shape)}")

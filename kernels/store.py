@@ -3,10 +3,9 @@
 ``store_kv`` runs one per-token kernel for the keys and one for the values (rotation fused for int4_saw keys,
 optional for its values, and for the staged keys of an open int4_kivi block); for int4_kivi a third launch then
 closes every block whose last slot was written in this batch, per channel from the original keys: the batch's own
-rows and, with a staging pool (staging.py), the pool's rows for the slots earlier batches wrote; without a pool a
-block not wholly in the batch is flagged and keeps its staged keys (reference.py). With a pool a fourth launch copies
-the keys of blocks still open into it, after the close, which may read the same slot. Launches follow each other on
-one stream. Grids depend only on the number of tokens and KV heads.
+rows and the staging pool's rows (staging.py, required) for the slots earlier batches wrote. A fourth launch copies
+the keys of blocks still open into the pool, after the close, which may read the same slot. Launches follow each
+other on one stream. Grids depend only on the number of tokens and KV heads.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import triton.language as tl
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout
 from .scheme import Int4Scheme
-from .staging import check_staging
+from .staging import check_pool_given, check_staging
 from .triton_common import encode, finite_rows, rotate_halves, scale_and_min
 
 TOKENS_PER_PROGRAM = 16
@@ -65,11 +64,10 @@ def _store_per_token_kernel(
 def _kivi_close_kernel(
     key_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr, staged_ptr, staging_slot_ptr,
     key_stride_t, key_stride_h, stride_block, stride_head, staged_stride_slot, staged_stride_head,
-    K_PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, STAGED: tl.constexpr,
+    K_PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
 ):
     """Program (token, head): if the token filled its block's last slot, quantize the block's keys per channel from
-    the originals: this batch's rows, and with STAGED the staging pool's rows for the slots earlier batches wrote.
-    Without STAGED a block not wholly in this batch keeps its staged keys and is flagged (reference.py)."""
+    the originals: this batch's rows, and the staging pool's rows for the slots earlier batches wrote."""
     tok = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -83,40 +81,32 @@ def _kivi_close_kernel(
         src_slot = tl.load(slot_ptr + src, mask=src >= 0, other=-1)
         fresh = (src >= 0) & (src_slot == slot - (BLOCK_SIZE - 1) + t)
         all_fresh = tl.min(fresh.to(tl.int32), 0) == 1
-        if all_fresh | STAGED:
-            key = key_ptr + src[:, None].to(tl.int64) * key_stride_t + head * key_stride_h + ch[None, :]
-            k_lo = tl.load(key, mask=fresh[:, None], other=0.0).to(tl.float32)
-            k_hi = tl.load(key + HALF, mask=fresh[:, None], other=0.0).to(tl.float32)
-            usable = 1
-            if STAGED:
-                pool_slot = tl.load(staging_slot_ptr + tok).to(tl.int64)
-                from_pool = (fresh == 0) & (pool_slot >= 0)
-                staged = (staged_ptr + pool_slot * staged_stride_slot + head * staged_stride_head
-                          + t[:, None] * (2 * HALF) + ch[None, :])
-                k_lo = tl.where(fresh[:, None], k_lo,
-                                tl.load(staged, mask=from_pool[:, None], other=0.0).to(tl.float32))
-                k_hi = tl.where(fresh[:, None], k_hi,
-                                tl.load(staged + HALF, mask=from_pool[:, None], other=0.0).to(tl.float32))
-                # a block begun in an earlier batch without a staging slot: NaN scales make the bug visible
-                usable = (all_fresh | (pool_slot >= 0)).to(tl.int32)
-            finite_lo = tl.min(((k_lo == k_lo) & (tl.abs(k_lo) != float("inf"))).to(tl.int32), 0) * usable
-            finite_hi = tl.min(((k_hi == k_hi) & (tl.abs(k_hi) != float("inf"))).to(tl.int32), 0) * usable
-            s_lo, m_lo = scale_and_min(tl.min(k_lo, 0), tl.max(k_lo, 0), finite_lo)
-            s_hi, m_hi = scale_and_min(tl.min(k_hi, 0), tl.max(k_hi, 0), finite_hi)
-            codes = encode(k_lo, s_lo[None, :], m_lo[None, :]) | (encode(k_hi, s_hi[None, :], m_hi[None, :]) << 4)
-            tl.store(cache_u8_ptr + page + t[:, None] * HALF + ch[None, :], codes)
-            channel_params = k_params + ch * 2
-            # a clear sign bit says "per channel", also for a NaN scale (a broken input)
-            tl.store(cache_f16_ptr + channel_params, tl.abs(s_lo).to(tl.float16))
-            tl.store(cache_f16_ptr + channel_params + 1, m_lo.to(tl.float16))
-            tl.store(cache_f16_ptr + channel_params + 2 * HALF, tl.abs(s_hi).to(tl.float16))
-            tl.store(cache_f16_ptr + channel_params + 2 * HALF + 1, m_hi.to(tl.float16))
-            if 4 * HALF < 2 * BLOCK_SIZE:  # head_dim < 128: clear the rest, so the bytes depend on the keys alone
-                rest = 4 * HALF + tl.arange(0, 2 * BLOCK_SIZE - 4 * HALF)
-                tl.store(cache_f16_ptr + k_params + rest, tl.zeros_like(rest).to(tl.float16))
-        else:
-            first_scale = tl.load(cache_f16_ptr + k_params)
-            tl.store(cache_f16_ptr + k_params, -tl.abs(first_scale))
+        key = key_ptr + src[:, None].to(tl.int64) * key_stride_t + head * key_stride_h + ch[None, :]
+        k_lo = tl.load(key, mask=fresh[:, None], other=0.0).to(tl.float32)
+        k_hi = tl.load(key + HALF, mask=fresh[:, None], other=0.0).to(tl.float32)
+        pool_slot = tl.load(staging_slot_ptr + tok).to(tl.int64)
+        from_pool = (fresh == 0) & (pool_slot >= 0)
+        staged = (staged_ptr + pool_slot * staged_stride_slot + head * staged_stride_head
+                  + t[:, None] * (2 * HALF) + ch[None, :])
+        k_lo = tl.where(fresh[:, None], k_lo, tl.load(staged, mask=from_pool[:, None], other=0.0).to(tl.float32))
+        k_hi = tl.where(fresh[:, None], k_hi,
+                        tl.load(staged + HALF, mask=from_pool[:, None], other=0.0).to(tl.float32))
+        # a block begun in an earlier batch without a staging slot: NaN scales make the bug visible
+        usable = (all_fresh | (pool_slot >= 0)).to(tl.int32)
+        finite_lo = tl.min(((k_lo == k_lo) & (tl.abs(k_lo) != float("inf"))).to(tl.int32), 0) * usable
+        finite_hi = tl.min(((k_hi == k_hi) & (tl.abs(k_hi) != float("inf"))).to(tl.int32), 0) * usable
+        s_lo, m_lo = scale_and_min(tl.min(k_lo, 0), tl.max(k_lo, 0), finite_lo)
+        s_hi, m_hi = scale_and_min(tl.min(k_hi, 0), tl.max(k_hi, 0), finite_hi)
+        codes = encode(k_lo, s_lo[None, :], m_lo[None, :]) | (encode(k_hi, s_hi[None, :], m_hi[None, :]) << 4)
+        tl.store(cache_u8_ptr + page + t[:, None] * HALF + ch[None, :], codes)
+        channel_params = k_params + ch * 2
+        tl.store(cache_f16_ptr + channel_params, s_lo.to(tl.float16))
+        tl.store(cache_f16_ptr + channel_params + 1, m_lo.to(tl.float16))
+        tl.store(cache_f16_ptr + channel_params + 2 * HALF, s_hi.to(tl.float16))
+        tl.store(cache_f16_ptr + channel_params + 2 * HALF + 1, m_hi.to(tl.float16))
+        if 4 * HALF < 2 * BLOCK_SIZE:  # head_dim < 128: clear the rest, so the bytes depend on the keys alone
+            rest = 4 * HALF + tl.arange(0, 2 * BLOCK_SIZE - 4 * HALF)
+            tl.store(cache_f16_ptr + k_params + rest, tl.zeros_like(rest).to(tl.float16))
 
 
 # num_tokens and the metadata's addresses vary per step: no kernel variant per value (see _store_per_token_kernel)
@@ -151,7 +141,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     """Quantize key/value [T, Hkv, D] (fp16/bf16, any token/head strides) into kv_cache at slot_mapping.
 
     int4_kivi's staging pool ``staged_keys`` [slots, Hkv, 128, D] (model dtype, contiguous), ``staging_slots``
-    [>= T] (the pool slot of each token's block, -1 for none) and ``stage`` as in reference.store_kv."""
+    [>= T] (the pool slot of each token's block, -1 for none) and ``stage`` as in reference.store_kv: int4_kivi
+    requires them, int4_saw takes neither."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError(f"key/value must be [T, Hkv, head_dim] with contiguous channels, got {tuple(key.shape)} "
@@ -160,10 +151,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     block_size = layout.block_size
     if scheme.is_kivi and block_size != KIVI_BLOCK_SIZE:
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
-    staged = staged_keys is not None
-    if (staging_slots is not None) != staged or (staged and not scheme.is_kivi):
-        raise ValueError("staged_keys and staging_slots go together, and only with int4_kivi")
-    if staged:
+    check_pool_given(scheme, staged_keys, staging_slots, "staging_slots")
+    if scheme.is_kivi:
         check_staging(staged_keys, staging_slots, key, block_size)
         if not staged_keys.is_contiguous():
             raise ValueError("staged_keys must be contiguous")
@@ -185,14 +174,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         )
     if not scheme.is_kivi:
         return
-    pool = staged_keys if staged else key  # unused without STAGED: any tensor fills the argument
-    pool_slots = staging_slots if staged else slot_mapping
     _kivi_close_kernel[(num_tokens, num_kv_heads)](
-        key, slot_mapping, kv_cache, cache_f16, pool, pool_slots,
-        key.stride(0), key.stride(1), kv_cache.stride(0), kv_cache.stride(1), pool.stride(0), pool.stride(1),
-        K_PARAMS_OFFSET=layout.k_params, BLOCK_SIZE=block_size, HALF=layout.half_dim, STAGED=staged, num_warps=8,
+        key, slot_mapping, kv_cache, cache_f16, staged_keys, staging_slots,
+        key.stride(0), key.stride(1), kv_cache.stride(0), kv_cache.stride(1), staged_keys.stride(0),
+        staged_keys.stride(1), K_PARAMS_OFFSET=layout.k_params, BLOCK_SIZE=block_size, HALF=layout.half_dim,
+        num_warps=8,
     )
-    if staged and stage:
+    if stage:
         stage_open_keys(key, slot_mapping, staged_keys, staging_slots)
 
 

@@ -82,22 +82,6 @@ def load_token_params(cache_f16_ptr, params, offset, written):
 
 
 @triton.jit
-def load_key_token_params(cache_f16_ptr, params, offset, written):
-    """load_token_params for keys: the scale without its sign bit, which flags a closed int4_kivi block that kept
-    its staged keys (kivi_block_is_per_channel)."""
-    scale, minimum = load_token_params(cache_f16_ptr, params, offset, written)
-    return tl.abs(scale), minimum
-
-
-@triton.jit
-def kivi_block_is_per_channel(cache_f16_ptr, k_params, logical_block, seq_len, BLOCK_SIZE: tl.constexpr):
-    """A closed int4_kivi block holds per-channel keys unless the sign bit of token 0's key scale is set: then it
-    closed over several batches and kept its staged per-token keys (docs/format.md)."""
-    flag_bits = tl.load(cache_f16_ptr + k_params).to(tl.int16, bitcast=True)
-    return ((logical_block + 1) * BLOCK_SIZE <= seq_len) & (flag_bits >= 0)
-
-
-@triton.jit
 def load_channel_params(cache_f16_ptr, params, HALF: tl.constexpr):
     """fp32 (scale, min) of channels 0..HALF-1 and HALF..2*HALF-1 of a closed KIVI block, each [1, HALF]."""
     ch = tl.arange(0, HALF)

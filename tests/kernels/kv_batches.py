@@ -10,9 +10,10 @@ import torch
 from attention_oracle import causal_attention
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.layout import PageLayout, cache_shape
-from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
+from s4kv.kernels.layout import KIVI_BLOCK_SIZE, PageLayout, cache_shape
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.staging import allocate_pool, sequence_staging_slots
+from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 
 NULL_BLOCK = 0  # never handed to a sequence: it stays poisoned, and block-table padding points at it
 HEAD_DIM = 128  # the helpers' default; tests parametrized over SUPPORTED_HEAD_DIMS pass their own
@@ -72,7 +73,9 @@ class PagedBatch:
     """One scheduler step: per sequence a cached prefix of ``context`` tokens and ``q_len`` new tokens.
 
     ``key``/``value``/``slot_mapping`` hold the new tokens followed by ``num_padding`` padding rows (slot -1,
-    NaN data); ``query`` holds only the real new tokens.
+    NaN data); ``query`` holds only the real new tokens. ``staged_keys`` is int4_kivi's staging pool for the batch's
+    stores (NaN until a store stages into it), sequence i in slot i: ``prefix_staging``, ``step_staging`` and
+    ``pool_read`` give the arguments of the prefix's store, the step's store and the step's attention.
     """
 
     specs: list[tuple[int, int]]
@@ -91,6 +94,31 @@ class PagedBatch:
     prefix_key: torch.Tensor  # the cached prefixes of all sequences, [P, Hkv, head_dim]
     prefix_value: torch.Tensor
     prefix_slots: torch.Tensor  # int64 [P]
+    staged_keys: torch.Tensor  # [S, Hkv, 128, head_dim], the keys' dtype
+
+    def prefix_staging(self, scheme: Int4Scheme) -> dict:
+        """store_kv's staging arguments for the prefixes' store (one batch): int4_kivi's pool; none for int4_saw."""
+        if not scheme.is_kivi:
+            return {}
+        slots = sequence_staging_slots([context for context, _ in self.specs], self.key.device)
+        return dict(staged_keys=self.staged_keys, staging_slots=slots)
+
+    def step_staging(self, scheme: Int4Scheme) -> dict:
+        """store_kv's staging arguments for the step's store (``key``'s rows, padding included), after the prefixes'
+        store: as the engine stores before attention, staging nothing (stage=False), so the pool keeps the rows
+        attention reads and the step can be stored again (another cache, the kernel) from the same pool."""
+        if not scheme.is_kivi:
+            return {}
+        slots = sequence_staging_slots([q_len for _, q_len in self.specs], self.key.device)
+        padding = torch.full((self.key.shape[0] - self.num_tokens,), -1, device=self.key.device)
+        return dict(staged_keys=self.staged_keys, staging_slots=torch.cat([slots, padding]), stage=False)
+
+    def pool_read(self, scheme: Int4Scheme) -> dict:
+        """Attention's int4_kivi arguments after the step's store: the step's keys and the pool; none for int4_saw."""
+        if not scheme.is_kivi:
+            return {}
+        slots = torch.arange(len(self.specs), dtype=torch.int32, device=self.key.device)
+        return dict(new_keys=self.key, staged_keys=self.staged_keys, sequence_slots=slots)
 
     @property
     def num_tokens(self) -> int:
@@ -155,14 +183,18 @@ def make_paged_batch(
         prefix_key=torch.cat([k[:c] for k, (c, _) in zip(seq_keys, specs)]),
         prefix_value=torch.cat([v[:c] for v, (c, _) in zip(seq_values, specs)]),
         prefix_slots=torch.cat([slots(i, 0, c) for i, (c, _) in enumerate(specs)]).to(device),
+        staged_keys=allocate_pool(len(specs), num_kv_heads, KIVI_BLOCK_SIZE, head_dim, dtype, device).fill_(
+            float("nan")),
     )
 
 
 def cache_with_prefix(batch: PagedBatch, scheme: Int4Scheme, gen: torch.Generator, device) -> torch.Tensor:
-    """A poisoned cache holding every sequence's cached prefix, written by the reference in one prefill."""
+    """A poisoned cache holding every sequence's cached prefix, written by the reference in one prefill (int4_kivi:
+    its open blocks staged in ``batch.staged_keys``)."""
     cache = poisoned_cache(batch.num_blocks, batch.num_kv_heads, batch.block_size, gen, device, batch.head_dim)
     if batch.prefix_slots.numel():
-        ref.store_kv(batch.prefix_key, batch.prefix_value, cache, batch.prefix_slots, scheme)
+        ref.store_kv(batch.prefix_key, batch.prefix_value, cache, batch.prefix_slots, scheme,
+                     **batch.prefix_staging(scheme))
     return cache
 
 
@@ -208,7 +240,7 @@ def written_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int, 
     """What a store of ``slot_mapping`` writes: (tokens bool [num_blocks, B], closed bool [num_blocks]).
 
     ``tokens`` are the slots written per token; ``closed`` the int4_kivi blocks whose last slot is written, whose
-    keys may all be rewritten (per channel) or whose token-0 key scale gets the staged flag (docs/format.md).
+    keys and key params are all rewritten (per channel, docs/format.md).
     """
     slots = slot_mapping.long().cpu()
     slots = slots[slots >= 0]

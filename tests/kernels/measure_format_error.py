@@ -22,6 +22,7 @@ from kv_batches import HEAD_DIM, poisoned_cache  # noqa: E402
 
 from s4kv.kernels import reference as ref  # noqa: E402
 from s4kv.kernels.scheme import Int4Scheme  # noqa: E402
+from s4kv.kernels.staging import allocate_pool  # noqa: E402
 
 HEADS, BLOCKS, B = 8, 8, 128
 KIVI, SAW = Int4Scheme("int4_kivi"), Int4Scheme("int4_saw")
@@ -36,12 +37,16 @@ def synthetic_keys(gen: torch.Generator, outliers: bool) -> torch.Tensor:
 
 
 def stored_keys(keys: torch.Tensor, scheme: Int4Scheme, tokens_per_call: int, seq_len: int, gen) -> torch.Tensor:
-    """Write ``keys`` (one sequence in blocks 0..BLOCKS-1) ``tokens_per_call`` at a time; read the first seq_len."""
+    """Write ``keys`` (one sequence in blocks 0..BLOCKS-1) ``tokens_per_call`` at a time (int4_kivi through its
+    staging pool, slot 0); read the first seq_len."""
     cache = poisoned_cache(BLOCKS, HEADS, B, gen, "cpu")
     slots = torch.arange(BLOCKS * B)
+    pool = allocate_pool(1, HEADS, B, HEAD_DIM, keys.dtype, "cpu")
     for start in range(0, seq_len, tokens_per_call):
         stop = min(seq_len, start + tokens_per_call)
-        ref.store_kv(keys[start:stop], keys[start:stop], cache, slots[start:stop], scheme)
+        staging = dict(staged_keys=pool, staging_slots=torch.zeros(stop - start, dtype=torch.long)) \
+            if scheme.is_kivi else {}
+        ref.store_kv(keys[start:stop], keys[start:stop], cache, slots[start:stop], scheme, **staging)
     k_hat, _ = ref.dequantize_sequence(cache, torch.arange(BLOCKS), seq_len, scheme, HEAD_DIM)
     return k_hat
 
@@ -60,9 +65,9 @@ def main() -> None:
             lambda k: (stored_keys(k, KIVI, n, n, gen), k),
         "kivi, open block (staged): per token after the 128-wide Hadamard":
             lambda k: (stored_keys(k, KIVI, n, n - 1, gen)[last_block], k[last_block]),
-        "kivi, block closed by decode (1 token per step): keeps its staged keys":
+        "kivi, block closed by decode (1 token per step): per channel from the original keys (the pool's)":
             lambda k: (stored_keys(k, KIVI, 1, n, gen), k),
-        "kivi, block closed by 32-token chunks (96 of 128 keys staged): keeps its staged keys":
+        "kivi, block closed by 32-token chunks: per channel from the original keys (the pool's)":
             lambda k: (stored_keys(k, KIVI, 32, n, gen), k),
         "saw (hadamard_block 128): per token after the Hadamard":
             lambda k: (stored_keys(k, SAW, n, n, gen), k),

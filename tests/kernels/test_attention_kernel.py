@@ -262,17 +262,22 @@ def test_bad_inputs_get_clear_errors(gen, kernel_device):
     with pytest.raises(ValueError, match="bf16 or fp16"):
         paged_attention(query, cache, *args, SCHEMES["saw128"], torch.empty_like(query))
     query = query.half()
+
+    def kivi_pool(head_dim: int) -> dict:  # a well-formed staging pool, so that the check under test is reached
+        return dict(staged_keys=query.new_zeros(1, 4, 128, head_dim),
+                    sequence_slots=torch.zeros(2, dtype=torch.int32, device=kernel_device))
+
     with pytest.raises(ValueError, match="int4_kivi needs block_size 128"):
-        paged_attention(query, cache[..., : 64 * 136], *args, KIVI, torch.empty_like(query))
+        paged_attention(query, cache[..., : 64 * 136], *args, KIVI, torch.empty_like(query), **kivi_pool(128))
     with pytest.raises(ValueError, match="support head_dim 64 and 128, got 96"):
-        paged_attention(query[..., :96], cache, *args, KIVI, torch.empty_like(query[..., :96]))
+        paged_attention(query[..., :96], cache, *args, KIVI, torch.empty_like(query[..., :96]), **kivi_pool(96))
     with pytest.raises(ValueError, match=r"block_size \* 72\] for head_dim 64"):
         paged_attention(query[..., :64], cache[..., : 128 * 136 - 8], *args, KIVI,
-                        torch.empty_like(query[..., :64]))
+                        torch.empty_like(query[..., :64]), **kivi_pool(64))
     cache64 = torch.zeros(3, 4, 128 * 72, dtype=torch.uint8, device=kernel_device)
     with pytest.raises(ValueError, match="hadamard_block 128 does not divide head_dim 64"):
         paged_attention(query[..., :64], cache64, *args, SCHEMES["saw128"], torch.empty_like(query[..., :64]))
     workspace = SplitWorkspace.allocate(8, 4, 128, kernel_device, num_splits=16)
     with pytest.raises(ValueError, match="another head_dim"):
         paged_attention(query[..., :64], cache64, *args, KIVI, torch.empty_like(query[..., :64]),
-                        workspace=workspace, new_keys=query.new_zeros(2, 4, 64))
+                        workspace=workspace, new_keys=query.new_zeros(2, 4, 64), **kivi_pool(64))

@@ -2,9 +2,9 @@
 backend (kernels/reference.paged_attention), on fresh random data in poisoned caches with shuffled pages: both
 schemes (and int4_saw with rotated values), head_dim 64 and 128, GQA groups 1 to 7, many pages, odd lengths, mixed
 prefill + decode batches, prefix-cached starts inside and on block edges, int4_kivi's own block from the staging pool
-and the step's keys, a missing pool slot, a block closed without a pool (staged flag), NaN-poisoned values, and
-groups split by the score budget. The two compute the same float32 attention in different orders, so they agree to
-float32 rounding, and NaN in exactly the same (token, head) rows.
+and the step's keys, a missing pool slot, NaN-poisoned values, and groups split by the score budget. The two
+compute the same float32 attention in different orders, so they agree to float32 rounding, and NaN in exactly the
+same (token, head) rows.
 
 Speed against the reference: ``PYTHONPATH=tests python tests/kernels/bench_cpu_attention.py`` prints a table.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_batches import make_paged_batch, poisoned_cache, scheme_head_dims
-from own_block_oracle import KIVI, StepPool, stored_step
+from kv_batches import scheme_head_dims
+from own_block_oracle import KIVI, stored_step
 
 from s4kv.kernels import cpu_attention, reference
 from s4kv.kernels.scheme import Int4Scheme
@@ -103,27 +103,6 @@ def test_a_needed_pool_row_without_a_slot_is_nan_in_the_same_queries(gen):
     assert_same(fast, expected, "slot -1")
 
 
-def test_a_block_closed_without_a_pool_is_read_per_token(gen):
-    """A block filled over two stores without a staging pool keeps its staged per-token keys (the flag); both read
-    it so, as every other block per channel."""
-    specs = [(200, 1), (300, 1)]
-    batch = make_paged_batch(gen, specs, 4, 2, block_size=128, dtype=torch.float16, device="cpu", head_dim=64)
-    cache = poisoned_cache(batch.num_blocks, 2, 128, gen, "cpu", 64)
-    half = batch.prefix_slots.shape[0] // 2  # the prefixes in two stores: sequence 0's block 0 closes in the second
-    reference.store_kv(batch.prefix_key[:half], batch.prefix_value[:half], cache, batch.prefix_slots[:half], KIVI)
-    reference.store_kv(batch.prefix_key[half:], batch.prefix_value[half:], cache, batch.prefix_slots[half:], KIVI)
-    reference.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI)
-    assert reference.staged_flags(reference.PageViews(cache, 64).k_params).any()
-    # the decodes read their open block's earlier keys from a pool: slot i holds sequence i's
-    pool = StepPool(torch.zeros(2, 2, 128, 64, dtype=torch.float16), torch.tensor([0, 1], dtype=torch.int32))
-    for i, (context, _) in enumerate(specs):
-        start = context // 128 * 128
-        pool.staged_keys[i, :, : context - start] = batch.seq_keys[i][start:context].transpose(0, 1)
-    fast, expected = both(batch, cache, pool, KIVI)
-    assert not torch.isnan(expected).any()
-    assert_same(fast, expected, "staged block")
-
-
 def test_groups_split_by_the_score_budget(gen, monkeypatch):
     """A budget so small that every sequence runs in a group of its own gives the same output (other padding, so
     equal to float32 rounding)."""
@@ -138,8 +117,10 @@ def test_groups_split_by_the_score_budget(gen, monkeypatch):
 def test_bad_arguments_are_refused_as_the_reference_refuses_them(gen):
     batch, cache, pool = stored_step(gen, [(100, 3)], 64, "cpu")
     args = (batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, SOFTMAX_SCALE, KIVI)
+    with pytest.raises(ValueError, match="int4_kivi needs its staging pool"):
+        cpu_attention.paged_attention(*args, new_keys=batch.key)
     with pytest.raises(ValueError, match="needs the step's keys"):
-        cpu_attention.paged_attention(*args)
+        cpu_attention.paged_attention(*args, staged_keys=pool.staged_keys, sequence_slots=pool.sequence_slots)
     with pytest.raises(ValueError, match="sequence_slots must be int32"):
         cpu_attention.paged_attention(*args, staged_keys=pool.staged_keys, sequence_slots=pool.sequence_slots.long(),
                                       new_keys=batch.key)

@@ -1,8 +1,8 @@
 """The Triton dense K/V gather for prefill (kernels/dense.gather_dense_kv) against the torch reference.
 
 Every token of each sequence, this step's included (the store has run), is read from the int4 cache as the
-reference reads it (reference.dequantize_sequence without a pool: full int4_kivi blocks per channel, the rest per
-token, un-rotated) into dense pages [pages, block_size, Hkv, D], sequence i's page p at cu_pages[i] + p, rows past a
+reference reads it (reference.dequantize_sequence: full int4_kivi blocks per channel, the rest per token,
+un-rotated) into dense pages [pages, block_size, Hkv, D], sequence i's page p at cu_pages[i] + p, rows past a
 sequence's end 0. The own-block keys of int4_kivi's second pass: test_own_block_prefill.py. Interpreter on CPU
 (fp16), compiled on CUDA.
 """
@@ -69,7 +69,8 @@ def test_gather_dense_kv_matches_reference(gen, kernel_device, scheme_name, head
     batch = make_paged_batch(gen, SPECS, 4, 2, block_size=128, dtype=torch.float16, device=kernel_device,
                              num_padding=2, head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)  # the backend stores first
+    # the backend stores first
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme, **batch.step_staging(scheme))
     seqs = list(seqs)
     assert_gathered_as_the_reference_reads(batch, cache, scheme, seqs, head_dim,
                                            *gathered(batch, cache, scheme, seqs, head_dim))
@@ -86,7 +87,7 @@ def test_vectors_past_fp16_range_once_rotated_are_gathered_finite(gen, kernel_de
         tensors[0][[5, 150], 1] = 9000.0  # a closed block (per channel for int4_kivi) and the open one
     batch.prefix_key, batch.prefix_value = batch.seq_keys[0][:200], batch.seq_values[0][:200]
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme, **batch.step_staging(scheme))
     dense_k, dense_v, cu_pages = gathered(batch, cache, scheme, [0], 128)
     k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[0], 220, scheme, 128)
     dense_k, dense_v = (d[: int(cu_pages[1])].flatten(0, 1)[:220] for d in (dense_k, dense_v))
@@ -103,7 +104,7 @@ def test_any_page_size_is_gathered_right_or_rejected(gen, kernel_device, block_s
     batch = make_paged_batch(gen, [(100, 5), (40, 3)], 4, 2, block_size=block_size, dtype=torch.float16,
                              device=kernel_device)
     cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme, **batch.step_staging(scheme))
     try:
         dense = gathered(batch, cache, scheme, [0, 1], 128)
     except ValueError as error:

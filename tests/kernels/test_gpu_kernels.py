@@ -128,8 +128,8 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
                              device="cuda", num_padding=8, head_dim=head_dim)
     before = cache_with_prefix(batch, scheme, gen, "cuda")
     expected_cache, cache = before.clone(), before.clone()
-    ref.store_kv(batch.key, batch.value, expected_cache, batch.slot_mapping, scheme)
-    store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    ref.store_kv(batch.key, batch.value, expected_cache, batch.slot_mapping, scheme, **batch.step_staging(scheme))
+    store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme, **batch.step_staging(scheme))
     assert_caches_match(cache, expected_cache, before, batch.slot_mapping, scheme, head_dim=head_dim)
     mismatch = code_mismatch(cache, expected_cache, before, head_dim)
     del expected_cache, before
@@ -166,7 +166,7 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_dense_prefill_gather_at_real_sizes(request, dtype_name, scheme_name, shape):
     """Prefill chunks over 2k-6k cached prefixes, stored: every token's K/V in the dense pages as the reference reads
-    it from the cache (without a pool: full int4_kivi blocks per channel)."""
+    it from the cache (full int4_kivi blocks per channel)."""
     scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
     num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
     gen = gpu_gen(request)
@@ -174,7 +174,7 @@ def test_dense_prefill_gather_at_real_sizes(request, dtype_name, scheme_name, sh
     batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=128, dtype=dtype, device="cuda",
                              head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, "cuda")
-    store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme, **batch.step_staging(scheme))
     pages = -(-batch.seq_lens // 128)
     cu_pages = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).int()
     dense_k = torch.full((int(cu_pages[-1]), 128, num_kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")

@@ -142,7 +142,6 @@ def test_a_closed_block_is_per_channel_from_its_original_keys(gen, head_dim):
     write(cache, pool, [[(seq, a, b, 0)] for a, b in chunked(length, [1])])
     pages = ref.PageViews(cache, head_dim)
     for j, blk in enumerate(seq.blocks[:2]):
-        assert not ref.staged_flags(pages.k_params[blk]).any()
         for h in range(NUM_KV_HEADS):
             codes, scale, minimum = ref.quantize_per_channel(seq.key[B * j : B * (j + 1), h].float())
             assert torch.equal(ref.unpack_nibbles(pages.k_codes[blk, h]), codes)
@@ -230,6 +229,11 @@ def test_staging_errors_name_the_problem(gen):
     with pytest.raises(ValueError, match="staged_keys must be"):
         ref.store_kv(seq.key[:1], seq.value[:1], cache, seq.slots(0, 1), KIVI, staged_keys=pool.float(),
                      staging_slots=torch.zeros(1, dtype=torch.long))
-    with pytest.raises(ValueError, match="go together, and only with int4_kivi"):
+    with pytest.raises(ValueError, match="int4_kivi needs its staging pool: staged_keys and staging_slots"):
+        ref.store_kv(seq.key[:1], seq.value[:1], cache, seq.slots(0, 1), KIVI)
+    with pytest.raises(ValueError, match="int4_kivi needs its staging pool"):
+        ref.store_kv(seq.key[:1], seq.value[:1], cache, seq.slots(0, 1), KIVI,
+                     staging_slots=torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="int4_saw takes no staging pool"):
         ref.store_kv(seq.key[:1], seq.value[:1], cache, seq.slots(0, 1), Int4Scheme("int4_saw"), staged_keys=pool,
                      staging_slots=torch.zeros(1, dtype=torch.long))

@@ -177,9 +177,11 @@ def test_bad_pool_arguments_get_clear_errors(gen, kernel_device):
     out = torch.empty_like(batch.query)
     args = (batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 1, SOFTMAX_SCALE)
     new_keys = {"new_keys": batch.key}
-    with pytest.raises(ValueError, match="staged_keys and sequence_slots go together, and only with int4_kivi"):
-        paged_attention(*args, KIVI, out, staged_keys=pool.staged_keys)
-    with pytest.raises(ValueError, match="staged_keys and sequence_slots go together, and only with int4_kivi"):
+    with pytest.raises(ValueError, match="int4_kivi needs its staging pool: staged_keys and sequence_slots"):
+        paged_attention(*args, KIVI, out, **new_keys)
+    with pytest.raises(ValueError, match="int4_kivi needs its staging pool"):
+        paged_attention(*args, KIVI, out, staged_keys=pool.staged_keys, **new_keys)
+    with pytest.raises(ValueError, match="int4_saw takes no staging pool"):
         paged_attention(*args, Int4Scheme("int4_saw"), out, staged_keys=pool.staged_keys,
                         sequence_slots=pool.sequence_slots)
     with pytest.raises(ValueError, match=r"sequence_slots must be int32 \[1\]"):

@@ -25,6 +25,7 @@ from s4kv.kernels import reference as ref
 from s4kv.kernels.hadamard import block_hadamard, sylvester_hadamard
 from s4kv.kernels.layout import PageLayout, bytes_per_token, cache_shape, check_head_dim
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.staging import allocate_pool, sequence_staging_slots
 from s4kv.runtime.schemes import KV_FORMATS, SUPPORTED_HEAD_DIMS
 
 KIVI = Int4Scheme.parse({"scheme": "int4_kivi"})
@@ -339,7 +340,10 @@ def test_store_writes_only_its_slots_and_skips_padding(gen, scheme, head_dim, dt
     value = random_values(gen, 40, num_heads, dtype, "cpu", head_dim)
     key[slots < 0] = float("nan")
     value[slots < 0] = float("nan")
-    ref.store_kv(key, value, cache, slots, scheme)
+    # int4_kivi: every row its own slot of a NaN pool (the blocks stay open: nothing is read back from it)
+    staging = dict(staged_keys=allocate_pool(40, num_heads, 128, head_dim, dtype, "cpu").fill_(float("nan")),
+                   staging_slots=torch.arange(40)) if scheme.is_kivi else {}
+    ref.store_kv(key, value, cache, slots, scheme, **staging)
 
     mask = written_byte_mask(slots, cache, scheme, head_dim).expand_as(cache)
     assert torch.equal(cache[~mask], before[~mask]), "store changed bytes outside its slots"
@@ -363,7 +367,7 @@ def test_store_then_dequantize_follows_a_shuffled_block_table(gen, scheme, head_
                              block_size=block_size, dtype=torch.float16, device="cpu", num_padding=3,
                              head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, "cpu")
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme, **batch.step_staging(scheme))
     for i, (k, v) in enumerate(zip(batch.seq_keys, batch.seq_values)):
         k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], int(batch.seq_lens[i]), scheme, head_dim)
         assert k_hat.shape == v_hat.shape == k.shape and torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all()
@@ -376,7 +380,26 @@ def test_kivi_needs_block_size_128(gen):
     cache = poisoned_cache(2, 1, 64, gen, "cpu")
     key = torch.randn(1, 1, HEAD_DIM, generator=gen)
     with pytest.raises(ValueError, match="int4_kivi needs block_size 128"):
-        ref.store_kv(key, key, cache, torch.tensor([3]), KIVI)
+        ref.store_kv(key, key, cache, torch.tensor([3]), KIVI, **one_sequence_pool(key))
+
+
+def one_sequence_pool(key: torch.Tensor) -> dict:
+    """store_kv's staging arguments for keys [T, H, D] of one sequence stored in one batch: pool slot 0."""
+    return dict(staged_keys=allocate_pool(1, key.shape[1], 128, key.shape[2], key.dtype, "cpu"),
+                staging_slots=sequence_staging_slots([key.shape[0]], "cpu"))
+
+
+def test_kivi_store_refuses_a_missing_pool_and_saw_a_given_one(gen):
+    """int4_kivi closes every page per channel from its original keys, so its store always takes the pool."""
+    cache = poisoned_cache(2, 1, 128, gen, "cpu")
+    key = torch.randn(3, 1, HEAD_DIM, generator=gen)
+    pool = one_sequence_pool(key)
+    with pytest.raises(ValueError, match=r"int4_kivi needs its staging pool: staged_keys and staging_slots"):
+        ref.store_kv(key, key, cache, torch.arange(3), KIVI)
+    with pytest.raises(ValueError, match=r"int4_kivi needs its staging pool"):
+        ref.store_kv(key, key, cache, torch.arange(3), KIVI, staged_keys=pool["staged_keys"])
+    with pytest.raises(ValueError, match=r"int4_saw takes no staging pool"):
+        ref.store_kv(key, key, cache, torch.arange(3), SAW_SCHEMES[0], **pool)
 
 
 def staged(keys: torch.Tensor) -> torch.Tensor:
@@ -398,7 +421,7 @@ def test_kivi_block_filled_in_one_batch_is_per_channel_from_the_original_keys(ge
     batch = make_paged_batch(gen, [(0, 300)], num_q_heads=2, num_kv_heads=2, block_size=128,
                              dtype=torch.bfloat16, device="cpu", head_dim=head_dim)
     cache = poisoned_cache(batch.num_blocks, 2, 128, gen, "cpu", head_dim)
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI, **batch.step_staging(KIVI))
     keys = batch.seq_keys[0].float()
     for j in range(2):
         blk = int(batch.block_table[0, j])
@@ -409,58 +432,17 @@ def test_kivi_block_filled_in_one_batch_is_per_channel_from_the_original_keys(ge
             assert torch.equal(minimum[h], want[2])
         # below head_dim 128 the K params past the channels' are cleared: the block's bytes are its keys' alone
         assert (ref.PageViews(cache, head_dim).k_params[blk, :, head_dim:] == 0).all()
-    assert not ref.staged_flags(ref.PageViews(cache, head_dim).k_params[batch.block_table[0, :2].long()]).any()
     k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[0], 300, KIVI, head_dim)
     torch.testing.assert_close(k_hat[256:], staged(keys[256:]), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
-def test_kivi_block_filled_by_decode_keeps_its_staged_keys(gen, head_dim):
-    """128 one-token steps: the block closes without re-quantizing (that would quantize its keys twice, about
-    sqrt(2) x the error), flagged in every head, and reads back exactly its staged keys."""
-    num_heads = 4
-    keys = random_keys(gen, 128, num_heads, torch.float32, "cpu", head_dim)
-    values = random_values(gen, 128, num_heads, torch.float32, "cpu", head_dim)
-    blk = 2
-    cache = poisoned_cache(3, num_heads, 128, gen, "cpu", head_dim)
-    padding = torch.full((1, num_heads, head_dim), float("nan"))
-    for t in range(128):
-        # each step also carries a padding row and a token of another sequence (in block 0)
-        other = random_keys(gen, 1, num_heads, torch.float32, "cpu", head_dim)
-        slots = torch.tensor([-1, blk * 128 + t, t])
-        ref.store_kv(torch.cat([padding, keys[t : t + 1], other]), torch.cat([padding, values[t : t + 1], other]),
-                     cache, slots, KIVI)
-    pages = ref.PageViews(cache, head_dim)
-    assert ref.staged_flags(pages.k_params[[0, blk]]).all()  # both sequences' blocks filled by decode
-    k_hat, _ = ref.dequantize_sequence(cache, torch.tensor([blk]), 128, KIVI, head_dim)
-    torch.testing.assert_close(k_hat, staged(keys), rtol=0, atol=1e-5)
-    # what re-quantizing per channel would have cost: both errors, in quadrature
-    twice = torch.stack([ref.dequantize_per_channel(*ref.quantize_per_channel(staged(keys)[:, h]))
-                         for h in range(num_heads)], 1)
-    assert relative_error(k_hat, keys) < relative_error(twice, keys) / 1.2
-
-
-def test_kivi_block_closed_by_a_later_chunk_keeps_its_staged_keys(gen):
-    """Chunk 1 writes tokens 0..59 (staged), chunk 2 writes 60..199: block 0 closes with only 68 of its original
-    keys in the batch, so it keeps the staged keys of all 128; block 1 stays open."""
-    batch = make_paged_batch(gen, [(60, 140)], num_q_heads=1, num_kv_heads=1, block_size=128,
-                             dtype=torch.float16, device="cpu")
-    cache = cache_with_prefix(batch, KIVI, gen, "cpu")
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI)
-    keys = batch.seq_keys[0].float()
-    assert ref.staged_flags(ref.PageViews(cache, HEAD_DIM).k_params[int(batch.block_table[0, 0])]).all()
-    k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[0], 200, KIVI, HEAD_DIM)
-    torch.testing.assert_close(k_hat, staged(keys), rtol=0, atol=1e-5)
-
-
-def test_kivi_per_channel_close_of_a_broken_key_is_not_flagged(gen):
-    """A NaN key in a block closed per channel gives NaN scales with a clear sign bit: the block still reads as
-    per channel (NaN, as a broken input must), never as flagged staged keys."""
+def test_kivi_per_channel_close_of_a_broken_key_reads_back_nan_in_its_head(gen):
+    """A NaN key in a block closed per channel gives NaN scales: the block reads as NaN in that head (as a broken
+    input must), the other head untouched."""
     keys = random_keys(gen, 128, 2, torch.float32, "cpu")
     keys[5, 0, 0] = float("nan")
     cache = poisoned_cache(1, 2, 128, gen, "cpu")
-    ref.store_kv(keys, keys, cache, torch.arange(128), KIVI)
-    assert not ref.staged_flags(ref.PageViews(cache, HEAD_DIM).k_params[0]).any()
+    ref.store_kv(keys, keys, cache, torch.arange(128), KIVI, **one_sequence_pool(keys))
     k_hat, _ = ref.dequantize_sequence(cache, torch.tensor([0]), 128, KIVI, HEAD_DIM)
     assert torch.isnan(k_hat[:, 0, 0]).all() and torch.isfinite(k_hat[:, 1]).all()
 
@@ -469,7 +451,7 @@ def test_kivi_open_block_reads_back_the_staged_keys(gen):
     batch = make_paged_batch(gen, [(20, 30), (0, 1)], num_q_heads=3, num_kv_heads=3, block_size=128,
                              dtype=torch.float32, device="cpu")
     cache = cache_with_prefix(batch, KIVI, gen, "cpu")
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, KIVI, **batch.step_staging(KIVI))
     for i in range(2):
         k_hat, _ = ref.dequantize_sequence(cache, batch.block_table[i], int(batch.seq_lens[i]), KIVI, HEAD_DIM)
         torch.testing.assert_close(k_hat, staged(batch.seq_keys[i]), rtol=0, atol=1e-5)

@@ -14,6 +14,7 @@ from kv_batches import (HEAD_DIM, assert_caches_match, cache_with_prefix, make_p
 from s4kv.kernels import reference as ref
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.staging import allocate_pool, sequence_staging_slots
 from s4kv.kernels.store import store_kv
 
 SCHEMES = {
@@ -35,9 +36,9 @@ def store_both(batch, scheme, gen, device):
     """(kernel cache, reference cache, cache before) after storing the batch's new tokens over its prefix."""
     before = cache_with_prefix(batch, scheme, gen, device)
     expected = before.clone()
-    ref.store_kv(batch.key, batch.value, expected, batch.slot_mapping, scheme)
+    ref.store_kv(batch.key, batch.value, expected, batch.slot_mapping, scheme, **batch.step_staging(scheme))
     actual = before.clone()
-    store_kv(batch.key, batch.value, actual, batch.slot_mapping, scheme)
+    store_kv(batch.key, batch.value, actual, batch.slot_mapping, scheme, **batch.step_staging(scheme))
     return actual, expected, before
 
 
@@ -70,15 +71,18 @@ def test_store_kernel_kivi_decode_steps_close_a_block(gen, kernel_device, head_d
     batch = make_paged_batch(gen, [(124, 8), (250, 8)], num_q_heads=2, num_kv_heads=2, block_size=128,
                              dtype=torch.float16, device=kernel_device, head_dim=head_dim)
     state = cache_with_prefix(batch, scheme, gen, kernel_device)
+    pool = batch.staged_keys
+    staging = torch.tensor([0, 1], device=kernel_device)  # sequence i stages into slot i (batch.prefix_staging)
     for step in range(8):
         rows = torch.tensor([step, 8 + step])  # one new token per sequence, as vLLM schedules a decode
         key, value, slots = batch.key[rows], batch.value[rows], batch.slot_mapping[rows]
-        actual = state.clone()
-        store_kv(key, value, actual, slots, scheme)
-        expected = state.clone()
-        ref.store_kv(key, value, expected, slots, scheme)
+        actual, actual_pool = state.clone(), pool.clone()
+        store_kv(key, value, actual, slots, scheme, staged_keys=actual_pool, staging_slots=staging)
+        expected, expected_pool = state.clone(), pool.clone()
+        ref.store_kv(key, value, expected, slots, scheme, staged_keys=expected_pool, staging_slots=staging)
         assert_caches_match(actual, expected, state, slots, scheme, head_dim=head_dim)
-        state = expected
+        assert torch.equal(actual_pool.view(torch.int16), expected_pool.view(torch.int16)), f"pool after {step}"
+        state, pool = expected, expected_pool
 
 
 @pytest.mark.parametrize("scheme_name", ["kivi", "saw64-rotv"])
@@ -93,8 +97,8 @@ def test_store_kernel_takes_strided_key_and_value(gen, kernel_device, scheme_nam
     assert not key.is_contiguous()
     before = cache_with_prefix(batch, scheme, gen, kernel_device)
     actual, expected = before.clone(), before.clone()
-    store_kv(key, value, actual, batch.slot_mapping, scheme)
-    ref.store_kv(batch.key, batch.value, expected, batch.slot_mapping, scheme)
+    store_kv(key, value, actual, batch.slot_mapping, scheme, **batch.step_staging(scheme))
+    ref.store_kv(batch.key, batch.value, expected, batch.slot_mapping, scheme, **batch.step_staging(scheme))
     assert_caches_match(actual, expected, before, batch.slot_mapping, scheme)
 
 
@@ -110,8 +114,12 @@ def test_store_kernel_marks_nonfinite_tokens_with_a_nan_scale(gen, kernel_device
     slots = torch.tensor([5, 6, 7, 300, 301, 302], device=kernel_device)
     before = poisoned_cache(4, num_heads, 128, gen, kernel_device)
     actual, expected = before.clone(), before.clone()
-    store_kv(key, value, actual, slots, scheme)
-    ref.store_kv(key, value, expected, slots, scheme)
+    staging = {}
+    if scheme.is_kivi:  # two sequences of three tokens
+        pool = allocate_pool(2, num_heads, 128, HEAD_DIM, torch.float16, kernel_device)
+        staging = dict(staged_keys=pool, staging_slots=sequence_staging_slots([3, 3], kernel_device))
+    store_kv(key, value, actual, slots, scheme, **staging)
+    ref.store_kv(key, value, expected, slots, scheme, **staging)
     assert_caches_match(actual, expected, before, slots, scheme)
     pages = ref.PageViews(actual, HEAD_DIM)
     assert torch.isnan(pages.k_params[0, 0, 6, 0]) and torch.isfinite(pages.k_params[0, 1, 6, 0])
@@ -122,10 +130,14 @@ def test_store_kernel_all_padding_changes_nothing(gen, kernel_device):
     key = torch.full((5, 2, HEAD_DIM), float("nan"), dtype=torch.float16, device=kernel_device)
     cache = poisoned_cache(3, 2, 128, gen, kernel_device)
     before = cache.clone()
+    pool = torch.full((1, 2, 128, HEAD_DIM), float("nan"), dtype=torch.float16, device=kernel_device)
     for scheme in (SCHEMES["kivi"], SCHEMES["saw32-rotv"]):
-        store_kv(key, key, cache, torch.full((5,), -1, device=kernel_device), scheme)
-        store_kv(key[:0], key[:0], cache, torch.zeros(0, dtype=torch.long, device=kernel_device), scheme)
+        staging = dict(staged_keys=pool, staging_slots=torch.full((5,), -1, device=kernel_device)) \
+            if scheme.is_kivi else {}
+        store_kv(key, key, cache, torch.full((5,), -1, device=kernel_device), scheme, **staging)
+        store_kv(key[:0], key[:0], cache, torch.zeros(0, dtype=torch.long, device=kernel_device), scheme, **staging)
     assert torch.equal(cache, before)
+    assert torch.isnan(pool).all()
 
 
 def test_bad_inputs_get_clear_errors(kernel_device):
@@ -144,6 +156,14 @@ def test_bad_inputs_get_clear_errors(kernel_device):
     cache64 = torch.zeros(3, 2, 128 * 72, dtype=torch.uint8, device=kernel_device)
     with pytest.raises(ValueError, match="hadamard_block 128 does not divide head_dim 64"):
         store_kv(key[..., :64], key[..., :64], cache64, slots, SCHEMES["saw128"])
+    cache128 = torch.zeros(3, 2, 128 * 136, dtype=torch.uint8, device=kernel_device)
+    pool = allocate_pool(1, 2, 128, HEAD_DIM, torch.float16, kernel_device)
+    with pytest.raises(ValueError, match="int4_kivi needs its staging pool: staged_keys and staging_slots"):
+        store_kv(key, key, cache128, slots, SCHEMES["kivi"])
+    with pytest.raises(ValueError, match="int4_kivi needs its staging pool"):
+        store_kv(key, key, cache128, slots, SCHEMES["kivi"], staged_keys=pool)
+    with pytest.raises(ValueError, match="int4_saw takes no staging pool"):
+        store_kv(key, key, cache128, slots, SCHEMES["saw128"], staged_keys=pool, staging_slots=slots)
 
 
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
@@ -177,8 +197,6 @@ def test_store_kernel_kivi_staging_matches_reference(gen, kernel_device, head_di
         assert_caches_match(actual, expected, state, slots, scheme, head_dim=head_dim)
         assert torch.equal(actual_pool.view(torch.int16), expected_pool.view(torch.int16)), f"pool after {step}"
         state, pool = expected, expected_pool
-    pages = ref.PageViews(state, head_dim)
-    assert not ref.staged_flags(pages.k_params[[3, 7, 5, 2]]).any()  # every closed block per channel
 
 
 def test_store_kernel_kivi_close_without_a_staging_slot_is_poisoned(gen, kernel_device):

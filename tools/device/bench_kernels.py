@@ -271,14 +271,23 @@ def build_vllm_int4(problem: DecodeProblem, block_table: torch.Tensor, out: torc
 
 
 def fill_s4kv_cache(scheme, problem: DecodeProblem, block_table: torch.Tensor) -> torch.Tensor:
-    """Our int4 paged cache of the problem's K/V, written by our store kernel."""
+    """Our int4 paged cache of the problem's K/V, written by our store kernel; int4_kivi through a staging pool (a
+    chunk's whole sequences in slots 0, 1, ...: every block closes in its chunk, the last open one is staged)."""
     from s4kv.kernels.layout import cache_shape
+    from s4kv.kernels.staging import allocate_pool, sequence_staging_slots
     from s4kv.kernels.store import store_kv
 
     shape = cache_shape(block_table.numel(), problem.num_kv_heads, S4KV_BLOCK_SIZE, HEAD_DIM)
     cache = torch.empty(shape, dtype=torch.uint8, device=problem.device)
+    if scheme.is_kivi:
+        pool = allocate_pool(min(problem.batch, problem.seqs_per_chunk), problem.num_kv_heads, S4KV_BLOCK_SIZE,
+                             HEAD_DIM, problem.kv_pool.dtype, problem.device)
+    staging = {}
     for key, value, slots in problem.chunks(block_table, S4KV_BLOCK_SIZE):
-        store_kv(key, value, cache, slots, scheme)
+        if scheme.is_kivi:
+            sequences = [problem.context] * (key.shape[0] // problem.context)
+            staging = dict(staged_keys=pool, staging_slots=sequence_staging_slots(sequences, problem.device))
+        store_kv(key, value, cache, slots, scheme, **staging)
     return cache
 
 
@@ -373,6 +382,7 @@ def bench_store(generator: torch.Generator) -> list[Timing]:
 
     from s4kv.kernels.layout import cache_shape
     from s4kv.kernels.scheme import Int4Scheme
+    from s4kv.kernels.staging import allocate_pool
     from s4kv.kernels.store import store_kv
 
     total_tokens = 1 << 19
@@ -392,11 +402,17 @@ def bench_store(generator: torch.Generator) -> list[Timing]:
         slots = slots.cuda()
         key = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         value = torch.randn_like(key)
+        # int4_kivi's staging pool as the engine passes it: a slot per decoding sequence (each token its own), one
+        # per page of the prefill chunk
+        sequence = torch.arange(tokens, device="cuda") // (S4KV_BLOCK_SIZE if contiguous else 1)
+        pool = allocate_pool(int(sequence[-1]) + 1, NUM_KV_HEADS, S4KV_BLOCK_SIZE, HEAD_DIM, key.dtype, "cuda")
+        staging = {"int4_kivi": dict(staged_keys=pool, staging_slots=sequence), "int4_saw": {}}
         calls = {"vllm_int4": lambda: reshape_and_cache_int4(key, value, int4_k, int4_v, slots,
                                                              k_scale_cache=int4_k_scale, v_scale_cache=int4_v_scale)}
         for name in ("int4_kivi", "int4_saw"):
             scheme = Int4Scheme.parse({"scheme": name})
-            calls[f"s4kv_{name[5:]}"] = lambda scheme=scheme: store_kv(key, value, ours, slots, scheme)
+            calls[f"s4kv_{name[5:]}"] = lambda scheme=scheme, name=name: store_kv(key, value, ours, slots, scheme,
+                                                                                  **staging[name])
         for method, call in calls.items():
             try:
                 timings.append(Timing(method, tokens, 0, median_ms(call), store_bytes(tokens, "int4")))

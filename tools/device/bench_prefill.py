@@ -22,6 +22,7 @@ import triton
 from s4kv.kernels.attention import paged_attention
 from s4kv.kernels.prefill_plan import PAGE, plan_prefill_passes
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.staging import allocate_pool, sequence_staging_slots
 from s4kv.kernels.store import store_kv
 
 HQ, HKV, D = 28, 4, 128
@@ -96,7 +97,10 @@ def bench_cases():
         for name in ("int4_kivi", "int4_saw"):
             scheme = Int4Scheme(name)
             cache = torch.empty(n * pages, HKV, 128 * 136, dtype=torch.uint8, device=dev)
-            store_kv(k, v, cache, slots, scheme)
+            # int4_kivi stores through its staging pool: sequence i in slot i
+            staging = dict(staged_keys=allocate_pool(n, HKV, PAGE, D, k.dtype, dev),
+                           staging_slots=sequence_staging_slots([ctx] * n, dev)) if scheme.is_kivi else {}
+            store_kv(k, v, cache, slots, scheme, **staging)
             own_block = dict(new_keys=k_new, staged_keys=torch.zeros(1, HKV, PAGE, D, dtype=q.dtype, device=dev),
                              sequence_slots=torch.full_like(seq_lens, -1)) if scheme.is_kivi else {}
             fused = lambda: paged_attention(q, cache, bt, seq_lens, cu_q, q_len, SCALE, scheme, out, **own_block)
@@ -139,8 +143,12 @@ def bench_chunked(prompt_len: int, chunk: int) -> list[dict]:
     for name in ("int4_kivi", "int4_saw"):
         scheme = Int4Scheme(name)
         cache = torch.empty(pages, HKV, 128 * 136, dtype=torch.uint8, device=dev)
+        pool = allocate_pool(1, HKV, PAGE, D, k.dtype, dev)  # int4_kivi's staging pool: the prompt in slot 0
         for first in range(0, prompt_len, chunk):  # as the prefill stores it, one chunk at a time
-            store_kv(k[first:first + chunk], v[first:first + chunk], cache, slots[first:first + chunk], scheme)
+            rows = slice(first, first + chunk)
+            staging = dict(staged_keys=pool, staging_slots=torch.zeros(len(range(prompt_len)[rows]), device=dev,
+                                                                      dtype=torch.long)) if scheme.is_kivi else {}
+            store_kv(k[rows], v[rows], cache, slots[rows], scheme, **staging)
         caches[name] = (scheme, cache)
     rows = []
     for start in range(0, prompt_len, chunk):

@@ -14,6 +14,7 @@ import triton
 from s4kv.kernels import reference as ref
 from s4kv.kernels.attention import SplitWorkspace, paged_attention
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.staging import allocate_pool, sequence_staging_slots
 from s4kv.kernels.store import store_kv
 
 SCHEMES = [Int4Scheme("int4_kivi"), Int4Scheme("int4_saw"), Int4Scheme("int4_saw", 64, True)]
@@ -31,7 +32,10 @@ def build(num_seqs, ctx, hq, hkv, dtype, scheme, q_len=1, gen=None):
     v = torch.randn_like(k)
     pos = torch.arange(ctx, device="cuda")
     slots = (bt[:, pos // B].long() * B + pos % B).reshape(-1)
-    store_kv(k, v, cache, slots, scheme)
+    # int4_kivi stores through its staging pool: sequence i in slot i
+    staging = dict(staged_keys=allocate_pool(num_seqs, hkv, B, 128, dtype, "cuda"),
+                   staging_slots=sequence_staging_slots([ctx] * num_seqs, "cuda")) if scheme.is_kivi else {}
+    store_kv(k, v, cache, slots, scheme, **staging)
     seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32, device="cuda")
     q = torch.randn(num_seqs * q_len, hq, 128, device="cuda", dtype=dtype)

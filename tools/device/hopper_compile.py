@@ -88,8 +88,8 @@ def compile_only():
 def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_heads: int = 4) -> None:
     """Every launch the backend makes, once per head_dim, scheme and query dtype (compile_only records them): at
     head_dim 128 with every attention code path (attention.CODE_PATHS, which the benchmark and tuning tools sweep),
-    at head_dim 64 the backend's own launches; int4_kivi's store, and its attention and dense gather with the
-    backend's own launches, also with a staging pool (kernels/staging.py)."""
+    at head_dim 64 the backend's own launches; int4_kivi's store and attention with its staging pool
+    (kernels/staging.py), and its own-key gather."""
     from s4kv.kernels import attention
     from s4kv.kernels.dense import gather_dense_kv, gather_own_keys
     from s4kv.kernels.layout import KIVI_BLOCK_SIZE, cache_shape
@@ -105,19 +105,15 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
     for head_dim, scheme, dtype in itertools.product(SUPPORTED_HEAD_DIMS, schemes, dtypes):
         cache = torch.zeros(cache_shape(num_blocks, num_kv_heads, block_size, head_dim), dtype=torch.uint8)
         kv = torch.zeros(5, num_kv_heads, head_dim, dtype=dtype)
-        store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme)
+        pool = torch.zeros(num_seqs, num_kv_heads, block_size, head_dim, dtype=dtype)
+        staging = dict(staged_keys=pool, staging_slots=torch.zeros(5, dtype=torch.int64)) if scheme.is_kivi else {}
+        store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme, **staging)
         # head_dim 64: the backend's own launches (launch=None), which pick the code path that head_dim allows
         code_paths = attention.CODE_PATHS.values() if head_dim == 128 else [None]
-        # what attention reads beside the cache: int4_kivi the step's keys, without and with its pool
-        new_keys = {"new_keys": torch.zeros(20, num_kv_heads, head_dim, dtype=dtype)} if scheme.is_kivi else {}
-        launches = [(code_path, new_keys) for code_path in code_paths]
-        if scheme.is_kivi:
-            pool = torch.zeros(num_seqs, num_kv_heads, block_size, head_dim, dtype=dtype)
-            store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme, staged_keys=pool,
-                     staging_slots=torch.zeros(5, dtype=torch.int64))
-            pooled = dict(new_keys, staged_keys=pool, sequence_slots=torch.arange(num_seqs, dtype=torch.int32))
-            launches.append((None, pooled))  # with the backend's launches only: each variant costs CI time
-        for code_path, staging in launches:
+        # what int4_kivi's attention reads beside the cache: the step's keys and the pool
+        own_block = dict(new_keys=torch.zeros(20, num_kv_heads, head_dim, dtype=dtype), staged_keys=pool,
+                         sequence_slots=torch.arange(num_seqs, dtype=torch.int32)) if scheme.is_kivi else {}
+        for code_path in code_paths:
             decode_launch = None if code_path is None else replace(attention.DECODE_LAUNCH[scheme.name], **code_path)
             prefill_launch = None if code_path is None else replace(attention.PREFILL_LAUNCH, **code_path)
             workspace = attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cpu", scheme.name)
@@ -125,16 +121,16 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             decode_qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
             for ws in (workspace, None):  # split-KV decode, and one program per sequence
                 attention.paged_attention(q, cache, block_table, seq_lens, decode_qsl, 1, 0.1, scheme,
-                                          torch.empty_like(q), workspace=ws, launch=decode_launch, **staging)
+                                          torch.empty_like(q), workspace=ws, launch=decode_launch, **own_block)
             q = torch.zeros(20, num_q_heads, head_dim, dtype=dtype)
             prefill_qsl = torch.tensor([0, 3, 20], dtype=torch.int32)
             attention.paged_attention(q, cache, block_table, seq_lens, prefill_qsl, 17, 0.1, scheme,
-                                      torch.empty_like(q), workspace=workspace, launch=prefill_launch, **staging)
+                                      torch.empty_like(q), workspace=workspace, launch=prefill_launch, **own_block)
         dense = torch.empty(4, block_size, num_kv_heads, head_dim, dtype=dtype)
         cu_pages = torch.tensor([0, 3, 4], dtype=torch.int32)
         gather_dense_kv(cache, block_table, seq_lens, cu_pages, 300, scheme, dense, torch.empty_like(dense), head_dim)
         if scheme.is_kivi:
-            gather_own_keys(new_keys["new_keys"], pool, pooled["sequence_slots"], seq_lens,
+            gather_own_keys(own_block["new_keys"], pool, own_block["sequence_slots"], seq_lens,
                             torch.tensor([0, 3, 20], dtype=torch.int32), cu_pages, 17, dense)
 
 
