@@ -40,9 +40,9 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from s4kv.runtime.cli.demo import wait_until_healthy
+from s4kv.runtime.schemes import choose_model_runner
 
 from . import report as bench_report
-from ..schemes import choose_model_runner
 from .matrix import FORMATS, KVFormat, parse_names
 
 SERVED_NAME = "bench"

@@ -120,8 +120,8 @@ def run(spec: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from s4kv.runtime.schemes import choose_model_runner
     from s4kv.runtime.plugin.forced_tokens import ForcedTokens
+    from s4kv.runtime.schemes import choose_model_runner
 
     fmt = FORMATS[spec["format"]]
     top_k = spec["top_k"]

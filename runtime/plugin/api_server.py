@@ -24,8 +24,8 @@ from argparse import Namespace
 
 from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_ENGINE_DIED, EXIT_OK, EXIT_UNSUPPORTED
 from s4kv.runtime.plugin.config import S4KVConfigError, as_sentence, check_vllm_config
-from s4kv.runtime.schemes import choose_model_runner
 from s4kv.runtime.plugin.version import vllm_version_mismatch
+from s4kv.runtime.schemes import choose_model_runner
 
 WATCHDOG_INTERVAL_S = 0.5
 
