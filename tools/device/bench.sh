@@ -10,7 +10,7 @@
 #   bash tools/device/bench.sh e2e --configs bf16_fa3,s4kv_kivi,s4kv_saw --workloads short,long
 #   bash tools/device/bench.sh kernels e2e --configs bf16_fa3,s4kv_saw --workloads short,long   # both in one call
 #   KERNEL_ARGS="--methods fa3_bf16,s4kv_kivi,s4kv_saw" bash tools/device/bench.sh kernels prefill
-#   bash tools/device/bench.sh serve --kv-cache-memory-bytes 6442450944 --rates 4,8,12 --concurrency 16,48
+#   bash tools/device/bench.sh serve --kv-cache-memory-bytes 2147483648 --rates 2,4,8 --concurrency 16,48
 # (docs/performance.md: engine starts and why the full matrix needs several 10-minute calls). Anything after `e2e` goes
 # to `s4kv bench`, anything after `serve` to `s4kv bench --serve` (one of the two per call); KERNEL_ARGS go to
 # tools/device/bench_kernels.py; `prefill` runs tools/device/bench_prefill.py (short cases and 32k-128k chunked prompts).
