@@ -31,6 +31,15 @@ CONFIG_KEY = "s4kv"  # additional_config key
 # vLLM 0.26 cannot learn a new --kv-cache-dtype string from a plugin; both schemes reuse this one's page budget.
 KV_CACHE_DTYPE = "int4_per_token_head"
 ATTENTION_BACKEND = "CUSTOM"
+
+
+def find_options(additional_config: Any) -> Any | None:
+    """Our options inside vLLM's additional_config, or None when the user did not ask for S4 KV."""
+    if isinstance(additional_config, Mapping):
+        return additional_config.get(CONFIG_KEY)
+    return None
+
+
 V2_MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
@@ -38,7 +47,7 @@ def choose_model_runner(additional_config: Any, environ: MutableMapping[str, str
     """Select vLLM's V1 model runner in ``environ`` (a vLLM process's environment) for int4_kivi, whose staging slots
     follow that runner (kernels/staging.py); vLLM 0.26 picks its V2 runner by default for dense models. Call before
     vLLM builds its config. A runner the user chose is kept: the engine check then refuses V2 with the reason."""
-    options = additional_config.get(CONFIG_KEY) if isinstance(additional_config, Mapping) else None
+    options = find_options(additional_config)
     if not isinstance(options, Mapping) or options.get("scheme") != KIVI or V2_MODEL_RUNNER_ENV in environ:
         return
     environ[V2_MODEL_RUNNER_ENV] = "0"

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from s4kv.kernels.layout import KIVI_BLOCK_SIZE
 from s4kv.kernels.scheme import Int4Scheme
-from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SUPPORTED_HEAD_DIMS
+from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SUPPORTED_HEAD_DIMS, find_options
 
 from .version import VLLM_VERSION, vllm_version_mismatch
 
@@ -65,13 +65,6 @@ class S4KVConfig:
         if self.allow_unsupported_model:
             options[ALLOW_UNSUPPORTED_MODEL] = True
         return options
-
-
-def find_options(additional_config: Any) -> Any | None:
-    """Our options inside vLLM's additional_config, or None when the user did not ask for S4 KV."""
-    if isinstance(additional_config, Mapping):
-        return additional_config.get(CONFIG_KEY)
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
