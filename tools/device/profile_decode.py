@@ -9,7 +9,9 @@ JIT-compile. A case is a bench_kernels DecodeProblem filled as the kernel table 
 DIR/METHOD_SHAPE_BATCHxCONTEXT.ncu-rep (open it in the Nsight Compute GUI); DIR/profile_raw.csv (every metric of every
 kernel); DIR/source_METHOD.csv (warp-stall samples per SASS instruction, first case) and DIR/profile.md: per kernel
 its duration, DRAM bytes and throughput, issue-slot use, achieved occupancy and the warp stall reasons per issued
-instruction, largest first.
+instruction, largest first; then, per method's first case, the instructions where its warps stall most.
+
+    python3 -c "import tools.device.profile_decode as p; print(p.hotspots(open('DIR/source_METHOD.csv').read()))"
 """
 
 from __future__ import annotations
@@ -122,6 +124,26 @@ def summary(kernels: list[dict], labels: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def hotspots(source_csv: str, count: int = 12) -> str:
+    """The SASS instructions with the most warp-stall samples in ncu's source page (CSV), each with its share of
+    the kernel's samples and its two largest stall reasons."""
+    rows = list(csv.reader(io.StringIO(source_csv)))
+    header = next((row for row in rows if "Warp Stall Sampling (All Samples)" in row), None)
+    if header is None:
+        return "no source counters\n"
+    body = [dict(zip(header, row)) for row in rows[rows.index(header) + 1:] if len(row) == len(header)]
+    samples = "Warp Stall Sampling (All Samples)"
+    total = sum(number(row[samples]) or 0.0 for row in body) or 1.0
+    reasons = [c for c in header if c.startswith("stall_") and "Not Issued" not in c]
+    lines = ["| share of stall samples | SASS | largest reasons (samples) |", "|---|---|---|"]
+    for row in sorted(body, key=lambda r: -(number(r[samples]) or 0.0))[:count]:
+        top = sorted(((number(row[c]) or 0.0, c[len("stall_"):]) for c in reasons), reverse=True)[:2]
+        named = ", ".join(f"{reason} {value:,.0f}" for value, reason in top if value > 0)
+        lines.append(f"| {100 * (number(row[samples]) or 0.0) / total:.1f}% | `{' '.join(row['Source'].split())}` "
+                     f"| {named} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("profile-results"))
@@ -136,7 +158,7 @@ def main() -> None:
     ncu = ncu_binary()
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    kernels, labels = [], []
+    kernels, labels, spots = [], [], []
     # one process per call, so that each report holds exactly that call's kernels (a decode, and its split merge)
     for shape, batch, context in cases:
         for method in methods:
@@ -157,11 +179,12 @@ def main() -> None:
                 source = subprocess.run([ncu, "--import", str(report), "--page", "source", "--csv", "--print-source",
                                          "sass"], capture_output=True, text=True)
                 (args.out / f"source_{method}.csv").write_text(source.stdout or source.stderr)
+                spots.append(f"\n{label}: where the warps stall\n\n{hotspots(source.stdout)}")
     with open(args.out / "profile_raw.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["call"] + sorted({k for kernel in kernels for k in kernel}))
         writer.writeheader()
         writer.writerows({"call": label, **kernel} for label, kernel in zip(labels, kernels))
-    table = summary(kernels, labels)
+    table = summary(kernels, labels) + "".join(spots)
     (args.out / "profile.md").write_text(table)
     print(table)
 
