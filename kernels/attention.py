@@ -48,6 +48,13 @@ class LaunchConfig:
     num_stages: int
     subnormal_codes: bool = False
     ptx_unpack: bool = False
+    # each token's or channel's (scale, min) as one 32-bit load instead of two 2-byte ones: a 2-byte load per thread
+    # cannot be an asynchronous copy, so the software pipeline leaves it a load every tile waits for (the profile's
+    # largest stall in int4_kivi's decode); on int4_saw's 64-token tiles it measured slower (docs/performance.md)
+    paired_param_loads: bool = False
+    # ptxas register cap (None: the compiler's choice): the paired loads took int4_kivi's decode from 168 to 185
+    # registers, one program fewer per SM; at 168 it fits three again, with no spills
+    max_registers: int | None = None
 
 
 # The ways codes become MMA operands, by name (LaunchConfig fields): what the GPU tests check and the tuning and
@@ -59,9 +66,18 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
 
 # measured on the H200 (docs/performance.md, levers and tuning log): each scheme's fastest code path at batch 32-256,
 # launch shape from tools/device/tune_attention.py; int4_kivi's three stages with its split counts (DECODE_SPLITS)
-DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3, subnormal_codes=True, ptx_unpack=True),
+DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3, subnormal_codes=True, ptx_unpack=True,
+                                           paired_param_loads=True, max_registers=168),
                  "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=3, subnormal_codes=False, ptx_unpack=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
+
+
+def kept_launch_options(scheme_name: str) -> dict:
+    """The DECODE_LAUNCH fields of a scheme that launch sweeps keep while they vary the tile, warps, stages and code
+    path: how the kernel loads the parameters, and the register cap measured with that."""
+    launch = DECODE_LAUNCH[scheme_name]
+    return {"paired_param_loads": launch.paired_param_loads, "max_registers": launch.max_registers}
+
 # The subnormal code path faults (illegal address) on the H200 at head_dim 64, where the biased one passes the GPU
 # tests: a default launch at another head_dim takes the biased codes, an explicit one is refused.
 SUBNORMAL_HEAD_DIMS = (128,)
@@ -175,18 +191,18 @@ def _load_codes(cache_u8_ptr, page, region, offset, CHANNEL_MAJOR: tl.constexpr,
 
 @triton.jit
 def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
-                      CODE_SCALE: tl.constexpr):
+                      CODE_SCALE: tl.constexpr, PAIRED: tl.constexpr):
     """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys."""
-    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written)
+    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written, PAIRED)
     raw = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
     return raw * (s_t * CODE_SCALE)[None, :] + q_sum[:, None] * m_t[None, :]
 
 
 @triton.jit
 def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE: tl.constexpr,
-                        HALF: tl.constexpr):
+                        HALF: tl.constexpr, PAIRED: tl.constexpr):
     """Q K^T for a KIVI block closed per channel (unrotated keys, per-channel params): (Q * scale) . codes + Q . min."""
-    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF)
+    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF, PAIRED)
     dt = q_lo.dtype
     q32_lo = q_lo.to(tl.float32)
     q32_hi = q_hi.to(tl.float32)
@@ -227,7 +243,7 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
                  OWN: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
                  IS_KIVI: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
                  CODE_SCALE: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
-                 CODE_BIAS: tl.constexpr, HALF: tl.constexpr):
+                 CODE_BIAS: tl.constexpr, HALF: tl.constexpr, PAIRED: tl.constexpr):
     """One K/V tile into the online softmax (m_i, l_i) and the accumulators; OWN: the tile may hold keys of a
     query's own block (int4_kivi reads them from the original keys)."""
     dt = q_lo.dtype
@@ -248,7 +264,7 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
                              IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
     if IS_KIVI:
         if not OWN:  # a block before the program's own blocks: closed for every row, per channel
-            scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
+            scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED)
         else:
             new_key_rows = ((q_start - context + k_pos).to(tl.int64) * new_keys_stride_t
                             + kv_head * new_keys_stride_h)
@@ -258,12 +274,12 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
             if BLOCK_Q > 1 and logical_block < (kv_end - 1) // BLOCK_SIZE:
                 # the program's later rows are in the next block: this one is closed for them (a decode program
                 # has one row, so never: the constexpr test keeps the second score matrix out of its registers)
-                closed = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF)
+                closed = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED)
                 own = (q_pos // BLOCK_SIZE == logical_block)[:, None]
                 scores = tl.where(own, scores, closed)
     else:
         scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
-                                   CODE_SCALE)
+                                   CODE_SCALE, PAIRED)
     visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
     scores = tl.where(visible, scores * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -273,7 +289,7 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
     l_i = l_i * alpha + tl.sum(p, 1)
     v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, True, BLOCK_SIZE, PTX_UNPACK,
                              SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
-    sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written)
+    sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written, PAIRED)
     p_sv = p * sv[None, :]
     p_mv = p * mv[None, :]
     if BLOCK_Q > 1:
@@ -307,6 +323,7 @@ def _paged_attention_kernel(
     ROTATE_V: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
+    PAIRED_PARAMS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -370,7 +387,7 @@ def _paged_attention_kernel(
                 block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                 new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                 False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                CODE_BIAS_BITS, CODE_BIAS, HALF)
+                CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
         # not pipelined: its original-key tiles are 16-bit, and buffering them in shared memory (num_stages) would
         # take the shared memory that lets a second program share the SM (occupancy) for at most a tile or two
         for tile in tl.range(own_tile, last_tile, num_stages=1):
@@ -380,7 +397,7 @@ def _paged_attention_kernel(
                 block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                 new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                 True, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                CODE_BIAS_BITS, CODE_BIAS, HALF)
+                CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * CODE_SCALE + acc_min[:, None]
 
@@ -553,11 +570,14 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
             raise ValueError(f"LaunchConfig.subnormal_codes is validated on the GPU at head_dim "
                              f"{', '.join(map(str, SUBNORMAL_HEAD_DIMS))} only, not {head_dim}: use the biased codes")
         launch = replace(launch, subnormal_codes=False)
-    if launch.ptx_unpack and isinstance(_paged_attention_kernel, InterpretedFunction):
+    interpreted = isinstance(_paged_attention_kernel, InterpretedFunction)
+    if launch.ptx_unpack and interpreted:
         if not default_launch:
             raise ValueError("LaunchConfig.ptx_unpack runs inline PTX, which the Triton interpreter cannot run")
         # the default launch off the GPU: the Triton-op unpack gives bit-identical operands (tests/kernels, gpu)
         launch = replace(launch, ptx_unpack=False)
+    # the interpreter compiles nothing: a register cap is for ptxas only
+    compiler_options = {} if launch.max_registers is None or interpreted else {"maxnreg": launch.max_registers}
     num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None) else 1
     if num_splits > 1 and (workspace.num_q_heads != num_q_heads or workspace.part_acc.shape[1] != head_dim):
         raise ValueError("workspace was allocated for another number of query heads or another head_dim")
@@ -574,8 +594,8 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile_tokens(block_size, launch.tile), BLOCK_SIZE=block_size,
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
-        **_code_format(query.dtype, launch.subnormal_codes),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        PAIRED_PARAMS=launch.paired_param_loads, **_code_format(query.dtype, launch.subnormal_codes),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **compiler_options,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](

@@ -27,7 +27,7 @@ TILE = 64
 
 @triton.jit
 def _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params, HALF: tl.constexpr):
-    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF)
+    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF, False)
     return k_lo * s_lo + m_lo, k_hi * s_hi + m_hi
 
 
@@ -35,7 +35,7 @@ def _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params, HALF: tl.constexpr):
 def _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, written, HADAMARD_BLOCK: tl.constexpr,
                     HALF: tl.constexpr):
     """Per-token dequantization, then back from the rotated space (R is its own inverse)."""
-    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written)
+    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written, False)
     return rotate_halves_fp32(k_lo * s_t[:, None] + m_t[:, None], k_hi * s_t[:, None] + m_t[:, None], HADAMARD_BLOCK,
                               HALF)
 
@@ -75,7 +75,7 @@ def _gather_dense_kernel(
 
         v_bytes = tl.load(cache_u8_ptr + page + HALF * BLOCK_SIZE + offset[:, None] + ch[None, :] * BLOCK_SIZE,
                           mask=written[:, None], other=0)  # channel-major (layout.py)
-        s_v, m_v = load_token_params(cache_f16_ptr, (page + 2 * HALF * BLOCK_SIZE) // 2, offset, written)
+        s_v, m_v = load_token_params(cache_f16_ptr, (page + 2 * HALF * BLOCK_SIZE) // 2, offset, written, False)
         v_lo = (v_bytes & 15).to(tl.float32) * s_v[:, None] + m_v[:, None]
         v_hi = (v_bytes >> 4).to(tl.float32) * s_v[:, None] + m_v[:, None]
         if ROTATE_V:

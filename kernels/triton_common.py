@@ -73,22 +73,33 @@ def _row_pow2_scales(x_lo, x_hi):
 
 
 @triton.jit
-def load_token_params(cache_f16_ptr, params, offset, written):
+def load_token_params(cache_f16_ptr, params, offset, written, PAIRED: tl.constexpr):
     """fp32 (scale, min) of the tokens at ``offset`` of a page's per-token params region, which starts at fp16
-    index ``params``; 0 for slots not written."""
-    # one 32-bit load per token: a 2-byte load per thread cannot be an asynchronous copy, so the pipeliner would
-    # leave it a synchronous load that every tile waits for (the profile's top stall before this)
-    pair = tl.load(cache_f16_ptr.to(tl.pointer_type(tl.int32)) + params // 2 + offset, mask=written, other=0)
-    return split_fp16_pair(pair)
+    index ``params``; 0 for slots not written. PAIRED: each (scale, min) pair as one 32-bit load, else two 2-byte
+    loads (LaunchConfig.paired_param_loads says why and where)."""
+    if PAIRED:
+        pair = tl.load(cache_f16_ptr.to(tl.pointer_type(tl.int32)) + params // 2 + offset, mask=written, other=0)
+        scale, minimum = split_fp16_pair(pair)
+    else:
+        scale = tl.load(cache_f16_ptr + params + offset * 2, mask=written, other=0.0).to(tl.float32)
+        minimum = tl.load(cache_f16_ptr + params + offset * 2 + 1, mask=written, other=0.0).to(tl.float32)
+    return scale, minimum
 
 
 @triton.jit
-def load_channel_params(cache_f16_ptr, params, HALF: tl.constexpr):
-    """fp32 (scale, min) of channels 0..HALF-1 and HALF..2*HALF-1 of a closed KIVI block, each [1, HALF]."""
+def load_channel_params(cache_f16_ptr, params, HALF: tl.constexpr, PAIRED: tl.constexpr):
+    """fp32 (scale, min) of channels 0..HALF-1 and HALF..2*HALF-1 of a closed KIVI block, each [1, HALF];
+    PAIRED as in load_token_params."""
     ch = tl.arange(0, HALF)
-    pairs = cache_f16_ptr.to(tl.pointer_type(tl.int32)) + params // 2  # a (scale, min) pair per 32-bit word
-    s_lo, m_lo = split_fp16_pair(tl.load(pairs + ch))
-    s_hi, m_hi = split_fp16_pair(tl.load(pairs + HALF + ch))
+    if PAIRED:
+        pairs = cache_f16_ptr.to(tl.pointer_type(tl.int32)) + params // 2  # a (scale, min) pair per 32-bit word
+        s_lo, m_lo = split_fp16_pair(tl.load(pairs + ch))
+        s_hi, m_hi = split_fp16_pair(tl.load(pairs + HALF + ch))
+    else:
+        s_lo = tl.load(cache_f16_ptr + params + ch * 2).to(tl.float32)
+        m_lo = tl.load(cache_f16_ptr + params + ch * 2 + 1).to(tl.float32)
+        s_hi = tl.load(cache_f16_ptr + params + 2 * HALF + ch * 2).to(tl.float32)
+        m_hi = tl.load(cache_f16_ptr + params + 2 * HALF + ch * 2 + 1).to(tl.float32)
     return s_lo[None, :], m_lo[None, :], s_hi[None, :], m_hi[None, :]
 
 

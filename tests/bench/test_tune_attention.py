@@ -89,9 +89,11 @@ def test_apply_writes_the_decode_winners_into_attention_source(tune):
     applied = tune.apply_decode_launch(source, best)
     namespace = {"LaunchConfig": tune.LaunchConfig}
     exec(tune.DECODE_LAUNCH_BLOCK.search(applied).group(0), namespace)
-    assert namespace["DECODE_LAUNCH"] == {
-        "int4_kivi": tune.LaunchConfig(64, 2, 3),
-        "int4_saw": tune.LaunchConfig(128, 2, 3, subnormal_codes=True, ptx_unpack=True)}
+    assert namespace["DECODE_LAUNCH"] == {  # the swept fields from the winners, the load options kept
+        "int4_kivi": tune.LaunchConfig(64, 2, 3, **tune.kept_launch_options("int4_kivi")),
+        "int4_saw": tune.LaunchConfig(128, 2, 3, subnormal_codes=True, ptx_unpack=True,
+                                      **tune.kept_launch_options("int4_saw"))}
+    assert namespace["DECODE_LAUNCH"]["int4_kivi"].paired_param_loads
     assert applied.replace(tune.DECODE_LAUNCH_BLOCK.search(applied).group(0), "") == \
         source.replace(tune.DECODE_LAUNCH_BLOCK.search(source).group(0), "")  # nothing else changes
 

@@ -158,7 +158,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_launch(text: str) -> attention.LaunchConfig:
-    """TILExWARPSxSTAGES, e.g. 64x4x3."""
+    """TILExWARPSxSTAGES, e.g. 64x4x3 (variants() adds the scheme's kept launch options)."""
     tile, warps, stages = (int(part) for part in text.split("x"))
     return attention.LaunchConfig(tile=tile, num_warps=warps, num_stages=stages)
 
@@ -166,7 +166,8 @@ def parse_launch(text: str) -> attention.LaunchConfig:
 def variants(scheme_names: list[str], dtypes: list[str], launches: list[str]):
     for name in scheme_names:
         scheme = Int4Scheme(name)
-        for base in [parse_launch(text) for text in launches] or [attention.DECODE_LAUNCH[name]]:
+        for base in ([replace(parse_launch(text), **attention.kept_launch_options(name)) for text in launches]
+                     or [attention.DECODE_LAUNCH[name]]):
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
                     yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)

@@ -19,12 +19,12 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from s4kv.kernels.attention import CODE_PATHS, LaunchConfig, SplitWorkspace, paged_attention
+from s4kv.kernels.attention import CODE_PATHS, LaunchConfig, SplitWorkspace, kept_launch_options, paged_attention
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import SCHEMES
 
@@ -104,6 +104,8 @@ def run_sweep(sweep: Sweep, device, time_ms=cuda_median_ms, dtype=torch.bfloat16
                     if kind == "decode" else None
                 expected = None  # the first config's output (the default code path): every other must match it
                 for codes, cfg in grid:
+                    if kind == "decode":
+                        cfg = replace(cfg, **kept_launch_options(scheme_name))
                     try:
                         ms = time_ms(lambda: paged_attention(q, cache, bt, sl, qsl, q_len, 0.088, scheme, out, ws, cfg,
                                                              **own_block))
@@ -174,8 +176,26 @@ def decode_launch_source(best: dict) -> str:
         codes, tile, warps, stages = best[(scheme_name, "decode")]
         fields = [f"tile={tile}", f"num_warps={warps}", f"num_stages={stages}"]
         fields += [f"{name}={value}" for name, value in CODE_PATHS[codes].items()]
-        entries.append(f'"{scheme_name}": LaunchConfig({", ".join(fields)})')
+        defaults = LaunchConfig(tile, warps, stages)
+        fields += [f"{name}={value}" for name, value in kept_launch_options(scheme_name).items()
+                   if value != getattr(defaults, name)]
+        entries.append(wrap_call(f'"{scheme_name}": LaunchConfig(', fields, len("DECODE_LAUNCH = {")))
     return "DECODE_LAUNCH = {" + (",\n" + " " * len("DECODE_LAUNCH = {")).join(entries) + "}\n"
+
+
+def wrap_call(head: str, fields: list[str], indent: int, width: int = 120) -> str:
+    """``head`` + the comma-separated fields + ")", wrapped so that no line (at ``indent``) passes ``width``; the
+    continuation lines start under the first field."""
+    lines, line = [], head
+    for i, field in enumerate(fields):
+        piece = field + (")" if i == len(fields) - 1 else ",")
+        if line not in (head,) and indent + len(line) + 1 + len(piece) + 1 > width:
+            lines.append(line)
+            line = " " * len(head) + piece
+        else:
+            line += ("" if line == head else " ") + piece
+    lines.append(line)
+    return ("\n" + " " * indent).join(lines)
 
 
 def apply_decode_launch(source: str, best: dict) -> str:
