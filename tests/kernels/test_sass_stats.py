@@ -51,3 +51,36 @@ def test_ptx_unpack_halves_the_integer_logic(saw_loops):
         triton_ops, ptx = _logic(saw_loops[codes]), _logic(saw_loops[f"{codes}+ptx"])
         assert ptx < 0.6 * triton_ops, f"{codes}: {ptx} logic instructions with PTX vs {triton_ops} without"
         assert sum(saw_loops[f"{codes}+ptx"].values()) < sum(saw_loops[codes].values())
+
+
+@pytest.fixture(scope="module")
+def kivi_decode(tmp_path_factory):
+    """int4_kivi's committed decode launch with bf16 queries: (loop histogram, printed table row by column)."""
+    tmp = tmp_path_factory.mktemp("sass-kivi")
+    result = run_compile_only_tool("sass_stats", "--schemes", "int4_kivi", "--dtypes", "bf16",
+                                   "--json", str(tmp / "loops.json"), cache_dir=tmp / "triton-cache")
+    assert result.returncode == 0, result.stderr[-6000:]
+    from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH
+    launch = DECODE_LAUNCH["int4_kivi"]
+    codes = next(name for name, fields in CODE_PATHS.items()
+                 if all(getattr(launch, field) == value for field, value in fields.items()))
+    label = f"int4_kivi bf16 {codes} {launch.tile}x{launch.num_warps}x{launch.num_stages}"
+    lines = [line for line in result.stdout.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    (row,) = [line for line in lines if line.startswith(f"| {label} |")]
+    cells = dict(zip(header, (cell.strip() for cell in row.strip("|").split("|"))))
+    return json.loads((tmp / "loops.json").read_text())[label], cells
+
+
+def test_kivi_decode_loop_has_no_synchronous_global_loads(kivi_decode):
+    # 2-byte parameter loads cannot be asynchronous copies: they were the largest stall in the profile
+    histogram, _ = kivi_decode
+    synchronous = {name: n for name, n in histogram.items() if name.startswith("LDG.")}
+    assert not synchronous, f"synchronous global loads in the loop: {synchronous}"
+    assert any(name.startswith("LDGSTS") for name in histogram)  # the loads are there, as asynchronous copies
+
+
+def test_kivi_decode_keeps_three_programs_per_sm(kivi_decode):
+    _, cells = kivi_decode
+    assert int(cells["registers"]) <= 168 and int(cells["spill bytes"]) == 0, cells
+    assert int(cells["warps per SM"]) == 12, cells
