@@ -19,3 +19,19 @@ def test_summary_scales_base_units_and_ranks_stall_reasons():
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[:6] == ["s4kv_kivi qwen2.5-7b 256x4096", "_paged_attention_kernel", "411.0", "598.9", "30.8", "n/a"]
     assert cells[-1] == "long_scoreboard 3.02, wait 1.32"  # largest first; zero reasons left out
+
+
+def test_hotspots_rank_instructions_by_stall_samples():
+    source = "\n".join([
+        '"Kernel Name","_paged_attention_kernel",',
+        '"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb","stall_wait",'
+        '"stall_long_sb (Not Issued)"',
+        '"0x10","LDG.E.U16 R19, desc[UR14][R44.64+0x14]","10","0","10","0"',
+        '"0x20","PRMT R18, R18, 0x5410, R19","70","65","5","65"',
+        '"0x30","HMMA.16816.F32 R0, R4, R8, R0","20","0","20","0"',
+    ])
+    lines = pd.hotspots(source, count=2).splitlines()
+    assert lines[2] == "| 70.0% | `PRMT R18, R18, 0x5410, R19` | long_sb 65, wait 5 |"  # largest first
+    assert lines[3].startswith("| 20.0% | `HMMA.16816.F32")
+    assert len(lines) == 4  # header, rule and the two asked for
+    assert pd.hotspots('"Kernel Name","x",\n"Address","Source"') == "no source counters\n"

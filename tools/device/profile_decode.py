@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """Hardware counters of one decode step per method (Nsight Compute), beside the kernel table's times.
 
-    python3 tools/device/profile_decode.py --out DIR        # H200, after `. tools/device/env.sh`: about 3 minutes
+    python3 tools/device/profile_decode.py --out DIR        # H200, after `. tools/device/env.sh`: 3-4 minutes
 
 Each (method, case) runs in its own process under ``ncu --set full --clock-control none`` (clocks left as the
 kernel table finds them), the profiler off except around one eager call made after two warm-up calls that also
-JIT-compile. A case is a bench_kernels DecodeProblem filled as the kernel table fills it. Writes, per call,
-DIR/METHOD_SHAPE_BATCHxCONTEXT.ncu-rep (open it in the Nsight Compute GUI); DIR/profile_raw.csv (every metric of every
-kernel); DIR/source_METHOD.csv (warp-stall samples per SASS instruction, first case) and DIR/profile.md: per kernel
-its duration, DRAM bytes and throughput, issue-slot use, achieved occupancy and the warp stall reasons per issued
-instruction, largest first; then, per method's first case, the instructions where its warps stall most.
+JIT-compile. A case is a bench_kernels DecodeProblem filled as the kernel table fills it. Writes DIR/reports.tar.gz
+(per call METHOD_SHAPE_BATCHxCONTEXT.ncu-rep, which opens in the Nsight Compute GUI, and per method source_METHOD.csv,
+the warp-stall samples per SASS instruction of the first case); DIR/profile_raw.csv (every metric of every kernel)
+and DIR/profile.md: per kernel its duration, DRAM bytes and throughput, issue-slot use, achieved occupancy and the
+warp stall reasons per issued instruction, largest first; then, per method's first case, the instructions where its
+warps stall most.
 
-    python3 -c "import tools.device.profile_decode as p; print(p.hotspots(open('DIR/source_METHOD.csv').read()))"
+    python3 -c "import tools.device.profile_decode as p; print(p.hotspots(open('source_METHOD.csv').read()))"
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,6 +188,13 @@ def main() -> None:
         writer.writerows({"call": label, **kernel} for label, kernel in zip(labels, kernels))
     table = summary(kernels, labels) + "".join(spots)
     (args.out / "profile.md").write_text(table)
+    # the reports and source pages in one archive: three files to bring back from the GPU machine
+    bulky = sorted(args.out.glob("*.ncu-rep")) + sorted(args.out.glob("source_*.csv"))
+    with tarfile.open(args.out / "reports.tar.gz", "w:gz") as archive:
+        for path in bulky:
+            archive.add(path, arcname=path.name)
+    for path in bulky:
+        path.unlink()
     print(table)
 
 
