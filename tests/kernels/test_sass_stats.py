@@ -22,15 +22,22 @@ def _logic(histogram: dict[str, int]) -> int:
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-side check: no device time for it")
 
 
-@pytest.fixture(scope="module")
-def saw_loops(tmp_path_factory):
-    """Loop histograms of int4_saw's default decode launch with bf16 queries, for each code path."""
-    tmp = tmp_path_factory.mktemp("sass")
-    result = run_compile_only_tool("sass_stats", "--schemes", "int4_saw", "--dtypes", "bf16",
+def sass_stats(tmp_path_factory, scheme_name: str) -> tuple[str, dict]:
+    """sass_stats' printed table and loop histograms (label -> mnemonic counts) of a scheme's default decode launch
+    with bf16 queries, for each code path."""
+    tmp = tmp_path_factory.mktemp(f"sass-{scheme_name}")
+    result = run_compile_only_tool("sass_stats", "--schemes", scheme_name, "--dtypes", "bf16",
                                    "--json", str(tmp / "loops.json"), cache_dir=tmp / "triton-cache")
     assert result.returncode == 0, result.stderr[-6000:]
-    assert "| int4_saw bf16 biased+ptx" in result.stdout  # the printed table
-    return {label.split()[2]: histogram for label, histogram in json.loads((tmp / "loops.json").read_text()).items()}
+    return result.stdout, json.loads((tmp / "loops.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def saw_loops(tmp_path_factory):
+    """Loop histograms of int4_saw's default decode launch with bf16 queries, by code path."""
+    table, loops = sass_stats(tmp_path_factory, "int4_saw")
+    assert "| int4_saw bf16 biased+ptx" in table  # the printed table
+    return {label.split()[2]: histogram for label, histogram in loops.items()}
 
 
 def test_every_code_path_runs_the_same_tensor_core_work(saw_loops):
@@ -56,20 +63,17 @@ def test_ptx_unpack_halves_the_integer_logic(saw_loops):
 @pytest.fixture(scope="module")
 def kivi_decode(tmp_path_factory):
     """int4_kivi's committed decode launch with bf16 queries: (loop histogram, printed table row by column)."""
-    tmp = tmp_path_factory.mktemp("sass-kivi")
-    result = run_compile_only_tool("sass_stats", "--schemes", "int4_kivi", "--dtypes", "bf16",
-                                   "--json", str(tmp / "loops.json"), cache_dir=tmp / "triton-cache")
-    assert result.returncode == 0, result.stderr[-6000:]
+    table, loops = sass_stats(tmp_path_factory, "int4_kivi")
     from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH
     launch = DECODE_LAUNCH["int4_kivi"]
     codes = next(name for name, fields in CODE_PATHS.items()
                  if all(getattr(launch, field) == value for field, value in fields.items()))
     label = f"int4_kivi bf16 {codes} {launch.tile}x{launch.num_warps}x{launch.num_stages}"
-    lines = [line for line in result.stdout.splitlines() if line.startswith("|")]
+    lines = [line for line in table.splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     (row,) = [line for line in lines if line.startswith(f"| {label} |")]
     cells = dict(zip(header, (cell.strip() for cell in row.strip("|").split("|"))))
-    return json.loads((tmp / "loops.json").read_text())[label], cells
+    return loops[label], cells
 
 
 def test_kivi_decode_loop_has_no_synchronous_global_loads(kivi_decode):
