@@ -118,6 +118,27 @@ def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, schem
                            f"{scheme_name} GQA {group} num_splits {num_splits} head_dim {head_dim}")
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_paired_parameter_loads_give_the_same_output(gen, kernel_device, head_dim):
+    """(scale, min) read as one 32-bit word or as two fp16 values: the same numbers, so the same output bit for
+    bit (int4_saw's per-token keys and values here; int4_kivi's per-channel keys in test_own_block_attention)."""
+    scheme = SCHEMES["saw64-rotv"]
+    num_q_heads, num_kv_heads = heads_for(4)
+    batch = make_paged_batch(gen, DECODE, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
+                             device=kernel_device, num_padding=1, head_dim=head_dim)
+    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device, max_num_seqs=len(DECODE),
+                                        num_splits=4)
+    outputs = []
+    for paired in (False, True):
+        launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], ptx_unpack=kernel_device.type == "cuda",
+                                     paired_param_loads=paired)
+        outputs.append(run_kernel(batch, cache, scheme, workspace, launch))
+    assert_attention_close(outputs[1], run_reference(batch, cache, scheme), f"paired loads, head_dim {head_dim}")
+    assert torch.equal(outputs[0], outputs[1])
+
+
 # inline PTX cannot run under the interpreter: those paths run with the GPU tests (tests/kernels/run_gpu.sh)
 GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX needs a CUDA GPU")]
 OTHER_CODE_PATHS = [pytest.param(name, marks=GPU_ONLY if "ptx" in name else []) for name in CODE_PATHS
