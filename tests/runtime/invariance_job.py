@@ -47,11 +47,11 @@ def prompts(tokenizer) -> list[list[int]]:
     return out
 
 
-def engine_kwargs(scheme: str, condition: str) -> dict:
+def engine_kwargs(scheme: str, condition: str, dtype: str) -> dict:
     # 128-token pages for every format (S4 KV's size; vLLM's GPU default for bf16 is 16), so that
     # num_gpu_blocks_override means the same tokens for all of them on every platform
     common = dict(max_model_len=512, max_num_seqs=16, enable_chunked_prefill=True, enforce_eager=True, block_size=128,
-                  dtype="bfloat16", seed=0, kv_cache_memory_bytes=64 * 2**20, disable_log_stats=False,
+                  dtype=dtype, seed=0, kv_cache_memory_bytes=64 * 2**20, disable_log_stats=False,
                   **CONDITIONS[condition])
     if scheme == "bf16":
         return common
@@ -74,11 +74,11 @@ def choice_margins(logprobs) -> list[float]:
     return margins
 
 
-def run(model: str, scheme: str, condition: str) -> dict:
+def run(model: str, scheme: str, condition: str, dtype: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model, **engine_kwargs(scheme, condition))
+    llm = LLM(model, **engine_kwargs(scheme, condition, dtype))
     greedy = SamplingParams(temperature=0, max_tokens=GENERATE, ignore_eos=True, logprobs=2)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts(llm.get_tokenizer())]
     batch = llm.generate(requests, greedy, use_tqdm=False)
@@ -103,14 +103,20 @@ def run(model: str, scheme: str, condition: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    import argparse
+
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    model, schemes = argv[0], argv[1:]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("formats", nargs="+", help="bf16 (the model's dtype, unquantized), int4_kivi, int4_saw")
+    parser.add_argument("--dtype", default="bfloat16", help="the model's dtype (vLLM dtype)")
+    args = parser.parse_args(argv)
     results: dict[str, dict] = {}
-    for scheme in schemes:
+    for scheme in args.formats:
         results[scheme] = {}
         for condition in CONDITIONS:
-            results[scheme].update(run(model, scheme, condition))
+            results[scheme].update(run(args.model, scheme, condition, args.dtype))
             cleanup_dist_env_and_memory()
     print("RESULT " + json.dumps(results))
     return 0

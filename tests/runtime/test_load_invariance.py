@@ -1,9 +1,16 @@
 """A request's greedy output must not depend on the load: through the real vLLM engine (the CPU platform in CI; the
-same job runs on a GPU), int4_kivi and int4_saw give the same tokens under preemption and recompute, with prefill
-chunks of 48 and 200 tokens, from the prefix cache and alone as in one batch with ample KV and prefix caching off,
-wherever bf16 does. int4_kivi is invariant by its read rule (docs/format.md): every closed page per channel from its
-original keys, a query's own page from the original keys, so what a position sees depends on the tokens up to it
-alone.
+same job runs on a GPU in bf16), int4_kivi and int4_saw give the same tokens under preemption and recompute, with
+prefill chunks of 48 and 200 tokens, from the prefix cache and alone as in one batch with ample KV and prefix caching
+off, wherever the unquantized cache does (format "bf16": KV in the model's dtype).
+
+int4_kivi is invariant by its read rule (docs/format.md): every closed page per channel from its original keys, a
+query's own page from the original keys, so what a position sees depends on the tokens up to it alone.
+
+The model runs in float32 here. vLLM's CPU matrix products are not bitwise the same across batch shapes. In bf16, on
+a CPU with AVX-512 bf16, int4 rounding turned that noise into changed greedy choices with clear margins (0.16 for
+int4_kivi, 0.62 for int4_saw) where the unquantized cache's outputs stayed the same. int4_saw's store has no
+load-dependent step at all (each token's bytes come from its own K and V), so that noise is the engine's. In float32
+every output was the same under every load (docs/results/quality.md).
 
 The model is the trained head_dim-128 reference model (s4kv-ref-qwen2): its greedy continuations depend on the
 stored bytes (the two int4 schemes continue differently), which the bundled tiny models, memorizing their answers,
@@ -35,8 +42,8 @@ def outputs() -> dict:
     # engine and worker in the job's own process; vLLM's V1 runner, which int4_kivi's staging slots follow (on a GPU
     # vLLM would pick its V2 runner, which the plugin refuses for int4_kivi), for every format alike
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0")
-    done = subprocess.run([sys.executable, str(JOB), model, *FORMATS], env=env, capture_output=True, text=True,
-                          timeout=1500)
+    done = subprocess.run([sys.executable, str(JOB), model, *FORMATS, "--dtype", "float32"], env=env,
+                          capture_output=True, text=True, timeout=1500)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"engine job failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     return dict(json.loads(lines[-1][len("RESULT "):]), num_layers=json.loads(
@@ -61,19 +68,16 @@ def test_greedy_output_depends_on_the_stored_bytes(outputs):
 
 
 CASES = [(scheme, pressure) for scheme in ("int4_kivi", "int4_saw") for pressure in PRESSURES]
-# vLLM's CPU compute is not bitwise the same across batch shapes (bf16's own first-token log-probabilities move by
-# up to 0.031 between the reference and the 200-token-chunk engine), and the logits are bf16: choice margins come in
-# steps of 1/32 or 1/16 here (measured: 0, 0.031, 0.062), with exact ties. A choice within one such step of the
-# runner-up flips when the batch shape moves a logit by one bf16 step, whatever the format stores. A changed output
-# counts as a load dependence only where the reference's choice at the first differing token led by more.
-NEAR_TIE = 0.07
+# float32 logits: a choice within this much of the runner-up may still flip with the engine's float32 batch-shape
+# noise after an int4 code step; every choice measured kept (margins of the measured runs: docs/results/quality.md)
+NEAR_TIE = 0.01
 
 
 @pytest.mark.parametrize("scheme, pressure", CASES)
-def test_int4_output_is_the_same_under_load_wherever_bf16_is(outputs, scheme, pressure):
+def test_int4_output_is_the_same_under_load_wherever_unquantized_is(outputs, scheme, pressure):
     bf16, int4 = outputs["bf16"], outputs[scheme]
     stable = [i for i, tokens in enumerate(bf16[pressure]) if tokens == bf16["reference"][i]]
-    assert len(stable) >= len(bf16["reference"]) // 2  # bf16 itself holds on most prompts
+    assert len(stable) >= len(bf16["reference"]) // 2  # the unquantized cache itself holds on most prompts
     changed = [i for i in stable if int4[pressure][i] != int4["reference"][i]]
     clear_choices = []
     for i in changed:
