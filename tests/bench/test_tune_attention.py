@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from repo_tools import code_path_of
 from tools.device import tune_attention
 
 needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real sweep")
@@ -74,11 +75,7 @@ def test_apply_writes_the_decode_winners_into_attention_source(tune):
     source = tune.ATTENTION_SOURCE.read_text()
     from s4kv.kernels.attention import DECODE_LAUNCH
 
-    def code_path(launch):
-        return next(name for name, fields in tune.CODE_PATHS.items()
-                    if all(getattr(launch, field) == value for field, value in fields.items()))
-
-    current = {(scheme, "decode"): (code_path(launch), launch.tile, launch.num_warps, launch.num_stages)
+    current = {(scheme, "decode"): (code_path_of(launch), launch.tile, launch.num_warps, launch.num_stages)
                for scheme, launch in DECODE_LAUNCH.items()}
     assert tune.apply_decode_launch(source, current) == source  # today's defaults render as the file has them
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from repo_tools import run_compile_only_tool
+from repo_tools import code_path_of, run_compile_only_tool
 
 
 def _logic(histogram: dict[str, int]) -> int:
@@ -64,11 +64,9 @@ def test_ptx_unpack_halves_the_integer_logic(saw_loops):
 def kivi_decode(tmp_path_factory):
     """int4_kivi's committed decode launch with bf16 queries: (loop histogram, printed table row by column)."""
     table, loops = sass_stats(tmp_path_factory, "int4_kivi")
-    from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH
+    from s4kv.kernels.attention import DECODE_LAUNCH
     launch = DECODE_LAUNCH["int4_kivi"]
-    codes = next(name for name, fields in CODE_PATHS.items()
-                 if all(getattr(launch, field) == value for field, value in fields.items()))
-    label = f"int4_kivi bf16 {codes} {launch.tile}x{launch.num_warps}x{launch.num_stages}"
+    label = f"int4_kivi bf16 {code_path_of(launch)} {launch.tile}x{launch.num_warps}x{launch.num_stages}"
     lines = [line for line in table.splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     (row,) = [line for line in lines if line.startswith(f"| {label} |")]

@@ -81,12 +81,10 @@ def run_child(methods: list[str], cases: list[tuple[str, int, int]]) -> None:
             call()
             call()
             torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push(f"{method} {shape} {batch}x{context}")
             torch.cuda.profiler.start()
             call()
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
-            torch.cuda.nvtx.range_pop()
             print(f"profiled {method} {shape} {batch}x{context}", flush=True)
             del call, out
             torch.cuda.empty_cache()
