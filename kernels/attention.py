@@ -50,7 +50,7 @@ class LaunchConfig:
     ptx_unpack: bool = False
     # each token's or channel's (scale, min) as one 32-bit load instead of two 2-byte ones: a 2-byte load per thread
     # cannot be an asynchronous copy, so the software pipeline leaves it a load every tile waits for (the profile's
-    # largest stall in int4_kivi's decode); on int4_saw's 64-token tiles it measured slower (docs/performance.md)
+    # largest stall in int4_kivi's decode)
     paired_param_loads: bool = False
     # ptxas register cap (None: the compiler's choice): the paired loads took int4_kivi's decode from 168 to 185
     # registers, one program fewer per SM; at 168 it fits three again, with no spills
@@ -65,10 +65,15 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
               "subnormal+ptx": {"subnormal_codes": True, "ptx_unpack": True}}
 
 # measured on the H200 (docs/performance.md, levers and tuning log): each scheme's fastest code path at batch 32-256,
-# launch shape from tools/device/tune_attention.py; int4_kivi's three stages with its split counts (DECODE_SPLITS)
-DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3, subnormal_codes=True, ptx_unpack=True,
+# launch shape from tools/device/tune_attention.py, split counts in DECODE_SPLITS. Five stages, not three: Triton's
+# pipeliner gives each load a prefetch distance of (num_stages - 1) // (indirection levels + 1), and the page index
+# read from the block table is one level. At 3 stages the distance is 1, and the loop waits for every copy it issued
+# before each tile's compute (`DEPBAR.LE SB0, 0x0`, tools/device/sass_stats.py): no load overlaps the program's own
+# compute. At 5 the copies of the next tile stay in flight.
+DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
                                            paired_param_loads=True, max_registers=168),
-                 "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=3, subnormal_codes=False, ptx_unpack=True)}
+                 "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=5, subnormal_codes=False, ptx_unpack=True,
+                                          paired_param_loads=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
 
 

@@ -147,6 +147,14 @@ def hottest_loop(instructions: list[tuple[int, str]], labels: dict[str, int]) ->
     return [text for _, text in instructions[start : end + 1]]
 
 
+def copies_in_flight(loop: list[str]) -> int | None:
+    """Fewest asynchronous-copy groups the loop's waits leave outstanding (`DEPBAR.LE SB0, N`); None: no wait. At 0
+    every copy the loop issued must land before the next tile's compute, so no load overlaps the program's own
+    compute (only other programs on the SM hide its latency)."""
+    waits = [int(m.group(1), 16) for text in loop if (m := re.search(r"DEPBAR\.LE\s+SB0,\s*(0x[0-9a-f]+)", text))]
+    return min(waits) if waits else None
+
+
 def classify(opcodes: Counter) -> dict[str, int]:
     table = {name: sum(n for op, n in opcodes.items() if op in members) for name, members in CLASSES.items()}
     table["other"] = sum(opcodes.values()) - sum(table.values())
@@ -195,17 +203,19 @@ def main(argv: list[str] | None = None) -> int:
         histograms[label] = dict(Counter(_mnemonic(text) for text in loop).most_common())
         codes_per_thread = 2 * tile * 128 / (32 * launch.num_warps)  # K and V codes of one tile, per thread
         occupancy = warps_per_sm(usage["REG"], kernel.shared_bytes, launch.num_warps)
-        rows.append((label, classify(opcodes), codes_per_thread, usage, kernel.shared_bytes, occupancy))
+        rows.append((label, classify(opcodes), codes_per_thread, usage, kernel.shared_bytes, occupancy,
+                     copies_in_flight(loop)))
 
     names = list(CLASSES) + ["other", "total"]
     # a thread's instructions per tile over its share of the tile's codes = issue slots per code, comparable
     # across tiles and warp counts
     print("| variant (tile x warps x stages) | " + " | ".join(names) + " | instructions per code "
-          "| registers | spill bytes | shared memory bytes | warps per SM |")
-    print("|---|" + "---|" * len(names) + "---|---|---|---|---|")
-    for label, table, codes, usage, shared_bytes, occupancy in rows:
+          "| registers | spill bytes | shared memory bytes | warps per SM | copy groups in flight at the wait |")
+    print("|---|" + "---|" * len(names) + "---|---|---|---|---|---|")
+    for label, table, codes, usage, shared_bytes, occupancy, in_flight in rows:
         print(f"| {label} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} "
-              f"| {usage['REG']} | {usage['LOCAL']} | {shared_bytes:,} | {occupancy} |")
+              f"| {usage['REG']} | {usage['LOCAL']} | {shared_bytes:,} | {occupancy} "
+              f"| {'no wait' if in_flight is None else in_flight} |")
     if args.json:
         args.json.write_text(json.dumps(histograms, indent=1))
     return 0

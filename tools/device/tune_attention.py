@@ -48,8 +48,9 @@ def launch_grid(tiles, warps, stages) -> tuple:
 H200_SWEEP = Sweep(
     decode_cases=((1, 32768), (32, 16384), (256, 4096)),
     prefill_cases=((4, 4096, 512),),
-    # warps 2: the static count (tools/device/sass_stats.py) says fewer warps per tile re-load q less often; 8 never won
-    decode_grid=launch_grid((64, 128), (2, 4), (2, 3)),
+    # warps 2: the static count (tools/device/sass_stats.py) says fewer warps per tile re-load q less often; 8 never
+    # won. Stages 5: the first count whose loads keep a prefetch distance of 2 past the block-table read (DECODE_LAUNCH)
+    decode_grid=launch_grid((64, 128), (2, 4), (3, 5)),
     prefill_grid=launch_grid((32, 64), (4, 8), (2,)),
 )
 
