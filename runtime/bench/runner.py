@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "not started")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS_JSON",
                         help="run nothing: merge results.json files of earlier calls into one table and plot")
+    parser.add_argument("--repeats", type=_positive_int, default=1, metavar="R",
+                        help="start every engine R times, round by round (each round starts every configuration "
+                             "once), so that a slow host or engine shows as spread between runs instead of as the "
+                             "result; each cell is then the median of its runs")
     parser.add_argument("--dry-run", action="store_true", help="print the engines that would run, then stop")
     bench_serve.add_arguments(parser)
 
@@ -122,6 +126,9 @@ def build_plan(args: argparse.Namespace) -> list[tuple[str, EngineSettings, list
 
 def run(args: argparse.Namespace) -> int:
     if args.serve:
+        if args.repeats != 1:
+            print("s4kv bench: --repeats applies to the offline benchmark, not to --serve", file=sys.stderr)
+            return 2
         return bench_serve.run(args)
     if args.merge:
         doc = bench_report.load(args.merge)
@@ -142,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         need = expected_engine_s(fmt, names, scale, settings)
         layout = f" on {settings.num_gpus} GPUs: {settings.parallel_label}" if settings.parallel else ""
         print(f"[bench] plan: {fmt:10s} {settings.key:18s} {','.join(names):12s} up to {need:.0f} s{layout}")
+    if args.repeats > 1:
+        print(f"[bench] plan: {args.repeats} rounds of the engines above")
     if args.dry_run:
         return 0
 
@@ -154,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
            "runs": []}
     deadline = time.monotonic() + args.budget_s if args.budget_s is not None else None
     measured_start: dict[EngineSettings, float] = {}  # slowest start + warm-up seen so far, per engine setting
-    for fmt, settings, names in plan:
+    for attempt, (fmt, settings, names) in ((a, entry) for a in range(1, args.repeats + 1) for entry in plan):
         left = deadline - time.monotonic() if deadline else None
         seen = measured_start.get(settings)
         need = expected_engine_s(fmt, names, scale, settings,
@@ -163,8 +172,10 @@ def run(args: argparse.Namespace) -> int:
             record = {"status": "skipped", "error": f"time budget: {left:.0f} s left, the engine may need {need:.0f} s"}
         else:
             record = run_engine(fmt, [dataclasses.replace(ALL_WORKLOADS[n], engine=settings) for n in names],
-                                model_dir, args.load_format, vocab_size, args.out, left)
+                                model_dir, args.load_format, vocab_size, args.out, left, attempt)
         record = {"format": fmt, "model": label, "engine": settings.as_dict(), "workloads": names, **record}
+        if args.repeats > 1:
+            record["round"] = attempt
         if record["status"] == "ok":
             took = record["startup_s"] + record.get("warmup_s", 0.0)
             measured_start[settings] = max(took, measured_start.get(settings, 0.0))
@@ -212,13 +223,14 @@ def replica_env(rank: int, engine: EngineSettings, base: dict[str, str]) -> dict
 
 
 def run_engine(fmt: str, workloads: list[Workload], model_dir: Path, load_format: str, vocab_size: int, out: Path,
-               timeout: float | None) -> dict:
+               timeout: float | None, attempt: int = 1) -> dict:
     """One engine process (``python -m ENGINE_MODULE SPEC``) for workloads that share one engine setting, or one per
     data-parallel replica; returns the run record (status, capacity, results or the error). A replica that fails
-    ends the others at once (they would wait for it)."""
+    ends the others at once (they would wait for it). ``attempt``: which start of this engine (--repeats), so that
+    each start keeps its own log."""
     engine = workloads[0].engine
     dp = engine.data_parallel_size
-    name = f"{fmt}-{engine.key}"
+    name = f"{fmt}-{engine.key}" + (f"-run{attempt}" if attempt > 1 else "")
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     barrier = logs / f"{name}.barrier"

@@ -104,6 +104,23 @@ def test_merge_of_two_calls(tmp_path, stand_in):
     assert "1,100 (1.10x)" in (merged / "table.md").read_text()
 
 
+def test_repeats_start_every_engine_once_per_round_and_keep_each_log(tmp_path, stand_in, capsys):
+    stand_in(FAKE_ENGINE, "fake_engine")
+    out = tmp_path / "out"
+    assert bench.run(bench_args(out, configs="s4kv_kivi,bf16_fa3", in_order=True, workloads="short", repeats=2)) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["format"], r["round"]) for r in runs] == [("s4kv_kivi", 1), ("bf16_fa3", 1), ("s4kv_kivi", 2),
+                                                          ("bf16_fa3", 2)]
+    assert len({r["log"] for r in runs}) == 4 and all(Path(r["log"]).is_file() for r in runs)
+    assert "1,100 (1.10x, median of 2)" in (out / "table.md").read_text()
+    assert "2 rounds" in capsys.readouterr().out
+
+
+def test_repeats_are_refused_for_the_serving_benchmark(tmp_path, capsys):
+    assert bench.run(bench_args(tmp_path, serve=True, repeats=2)) == 2
+    assert "--repeats applies to the offline benchmark" in capsys.readouterr().err
+
+
 def test_budget_skips_engines_instead_of_starting_them(tmp_path, stand_in):
     stand_in(FAKE_ENGINE, "fake_engine")
     out = tmp_path / "out"
