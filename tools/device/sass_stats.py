@@ -1,18 +1,21 @@
-"""Static instruction counts of the decode attention kernel's inner loop on Hopper (sm_90), with no GPU.
+"""Static shape of the decode attention kernel's inner loop on Hopper (sm_90), with no GPU.
 
-The decode kernel is bound by the instructions that turn 4-bit codes into MMA operands, not by memory (~1 TB/s
-of 4.3, docs/results/performance.md), so the number of SASS instructions per KV tile is the quantity to count first.
-Triton compiles for sm_90 on any machine (ptxas and nvdisasm ship in the triton wheel); this compiles
-``_paged_attention_kernel`` as ``paged_attention`` launches it for decode (specialized like a real launch: 16-byte
-aligned cache/query pointers and strides, metadata pointers unspecialized), disassembles it and prints, per
-variant, the instructions of its hottest loop by class, per KV tile and per code.
+What the loop is made of decides how the decode kernel spends its time: the instructions that turn 4-bit codes into
+MMA operands, the registers and shared memory that set how many programs share an SM, and how far the software
+pipeline keeps loads ahead of the compute (the hardware-counter profile, docs/results/performance.md, found the loop
+latency bound on its loads). Triton compiles for sm_90 on any machine (ptxas and nvdisasm ship in the triton wheel);
+this compiles ``_paged_attention_kernel`` as ``paged_attention`` launches it for decode (specialized like a real
+launch: 16-byte aligned cache/query pointers and strides, metadata pointers unspecialized), disassembles it and
+prints, per variant, the instructions of its hottest loop by class, per KV tile and per code, its registers, shared
+memory and warps per SM, and the asynchronous-copy groups left in flight at the loop's wait (0: no load overlaps the
+program's own compute).
 
     python tools/device/sass_stats.py                      # both schemes, bf16 and fp16 queries, every code path
     python tools/device/sass_stats.py --json out.json      # also each loop's histogram of instructions (mnemonics)
 
-Counts are static (one pass through the loop body; in int4_kivi the body holds both key paths: the closed-block
-per-channel path that runs for all but the last page, and the per-token path of the open page). They predict, they
-do not measure: the GPU benchmark (tools/device/bench_kernels.py) decides.
+Counts are static: one pass through the first tile loop (in int4_kivi the tiles before a program's own block, keys
+per channel; its own-block loop after it runs a tile or two per program). They predict, they do not measure: the GPU
+benchmark (tools/device/bench_kernels.py) decides.
 """
 
 from __future__ import annotations
