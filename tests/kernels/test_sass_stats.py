@@ -22,20 +22,35 @@ def _logic(histogram: dict[str, int]) -> int:
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-side check: no device time for it")
 
 
-def sass_stats(tmp_path_factory, scheme_name: str) -> tuple[str, dict]:
-    """sass_stats' printed table and loop histograms (label -> mnemonic counts) of a scheme's default decode launch
-    with bf16 queries, for each code path."""
+def sass_stats(tmp_path_factory, scheme_name: str, *launches: str) -> tuple[str, dict]:
+    """sass_stats' printed table and loop histograms (label -> mnemonic counts) of a scheme's decode with bf16
+    queries, for each code path: at its default launch, or at each of ``launches`` (TILExWARPSxSTAGES)."""
     tmp = tmp_path_factory.mktemp(f"sass-{scheme_name}")
-    result = run_compile_only_tool("sass_stats", "--schemes", scheme_name, "--dtypes", "bf16",
+    launch_args = ("--launches", ",".join(launches)) if launches else ()
+    result = run_compile_only_tool("sass_stats", "--schemes", scheme_name, "--dtypes", "bf16", *launch_args,
                                    "--json", str(tmp / "loops.json"), cache_dir=tmp / "triton-cache")
     assert result.returncode == 0, result.stderr[-6000:]
     return result.stdout, json.loads((tmp / "loops.json").read_text())
 
 
+def table_row(table: str, label: str) -> dict[str, str]:
+    """The printed table's row of one variant (its label: scheme, dtype, code path, TILExWARPSxSTAGES), by column."""
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    (row,) = [line for line in lines if line.startswith(f"| {label} |")]
+    return dict(zip(header, (cell.strip() for cell in row.strip("|").split("|"))))
+
+
 @pytest.fixture(scope="module")
-def saw_loops(tmp_path_factory):
+def saw_stats(tmp_path_factory):
+    """sass_stats' table and loop histograms of int4_saw's default decode launch (bf16 queries)."""
+    return sass_stats(tmp_path_factory, "int4_saw")
+
+
+@pytest.fixture(scope="module")
+def saw_loops(saw_stats):
     """Loop histograms of int4_saw's default decode launch with bf16 queries, by code path."""
-    table, loops = sass_stats(tmp_path_factory, "int4_saw")
+    table, loops = saw_stats
     assert "| int4_saw bf16 biased+ptx" in table  # the printed table
     return {label.split()[2]: histogram for label, histogram in loops.items()}
 
@@ -61,14 +76,11 @@ def test_ptx_unpack_halves_the_integer_logic(saw_loops):
 
 
 def committed_row(table: str, scheme_name: str) -> dict[str, str]:
-    """The printed table's row of a scheme's committed decode launch (bf16 queries), by column."""
+    """The printed table's row of a scheme's committed decode launch (bf16 queries), by column, and its label."""
     from s4kv.kernels.attention import DECODE_LAUNCH
     launch = DECODE_LAUNCH[scheme_name]
     label = f"{scheme_name} bf16 {code_path_of(launch)} {launch.tile}x{launch.num_warps}x{launch.num_stages}"
-    lines = [line for line in table.splitlines() if line.startswith("|")]
-    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
-    (row,) = [line for line in lines if line.startswith(f"| {label} |")]
-    return {"label": label, **dict(zip(header, (cell.strip() for cell in row.strip("|").split("|"))))}
+    return {"label": label, **table_row(table, label)}
 
 
 @pytest.fixture(scope="module")
@@ -93,21 +105,18 @@ def test_kivi_decode_keeps_three_programs_per_sm(kivi_decode):
     assert int(cells["warps per SM"]) == 12, cells
 
 
-def test_int4_saw_decode_loop_overlaps_its_loads_with_its_compute(tmp_path_factory):
+def test_int4_saw_decode_loop_overlaps_its_loads_with_its_compute(saw_stats):
     # the block-table read is a level of indirection that halves the pipeliner's prefetch distance: at 3 stages the
     # loop waited for all its copies before each tile (0 in flight), and int4_saw's decode ran 5-12% slower at
     # batch >= 32
-    table, _ = sass_stats(tmp_path_factory, "int4_saw")
+    table, _ = saw_stats
     cells = committed_row(table, "int4_saw")
     assert cells["copy groups in flight at the wait"] not in ("0", "no wait"), cells
 
 
 def test_copies_in_flight_reads_the_pipeline_depth(tmp_path_factory):
     """The column against what the stage count must give: none in flight at 3 stages, some at 5."""
-    tmp = tmp_path_factory.mktemp("sass-stages")
-    result = run_compile_only_tool("sass_stats", "--schemes", "int4_kivi", "--dtypes", "bf16",
-                                   "--launches", "128x4x3,128x4x5", cache_dir=tmp / "triton-cache")
-    assert result.returncode == 0, result.stderr[-6000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("| int4_kivi bf16 subnormal+ptx ")]
-    in_flight = {line.split("|")[1].split()[-1]: line.strip("|").split("|")[-1].strip() for line in lines}
+    table, _ = sass_stats(tmp_path_factory, "int4_kivi", "128x4x3", "128x4x5")
+    in_flight = {stages: table_row(table, f"int4_kivi bf16 subnormal+ptx {stages}")["copy groups in flight at the wait"]
+                 for stages in ("128x4x3", "128x4x5")}
     assert in_flight["128x4x3"] == "0" and int(in_flight["128x4x5"]) > 0, in_flight
