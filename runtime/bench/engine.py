@@ -81,13 +81,28 @@ def wait_for_replicas(replica: dict[str, Any] | None, tag: str, timeout: float =
         time.sleep(0.02)
 
 
-def run_workload(llm, workload: Workload, vocab_size: int, replica: dict[str, Any] | None = None) -> dict[str, Any]:
+def pin_triton_cache() -> Path:
+    """Triton's disk cache of compiled kernels, pinned for this process and the engine processes it starts:
+    TRITON_CACHE_DIR, else Triton's own default. Unpinned, torch.compile points TRITON_CACHE_DIR at its own folder
+    the first time it loads a kernel, so later compilations of ours would land in one of two places."""
+    return Path(os.environ.setdefault("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache")))
+
+
+def cached_kernels(cache: Path) -> int:
+    """Compiled kernels in a Triton disk cache, one folder each: a count that grows during a timed run means a
+    kernel was compiled inside it, and the run's time includes that compilation."""
+    return sum(1 for entry in cache.iterdir() if entry.is_dir()) if cache.is_dir() else 0
+
+
+def run_workload(llm, workload: Workload, vocab_size: int, triton_cache: Path,
+                 replica: dict[str, Any] | None = None) -> dict[str, Any]:
     from vllm import SamplingParams
 
     rank, size = (replica["rank"], replica["size"]) if replica else (0, 1)
     prompts = replica_prompts(workload, vocab_size, rank, size)
     params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
     wait_for_replicas(replica, workload.name)
+    kernels_before = cached_kernels(triton_cache)
     start_unix = time.time()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -109,6 +124,7 @@ def run_workload(llm, workload: Workload, vocab_size: int, replica: dict[str, An
         "total_tok_s": (output_tokens + input_tokens) / wall,
         "start_unix": start_unix,
         "end_unix": end_unix,
+        "triton_compiles": cached_kernels(triton_cache) - kernels_before,
     }
 
 
@@ -134,6 +150,7 @@ def main(spec_path: str) -> None:
     vocab_size = int(spec["vocab_size"])
     replica = spec.get("replica")
 
+    triton_cache = pin_triton_cache()
     start = time.perf_counter()
     import torch
     import vllm
@@ -148,7 +165,7 @@ def main(spec_path: str) -> None:
     warm_start = time.perf_counter()
     warm_up(llm, vocab_size, engine.max_model_len)
     warmup = time.perf_counter() - warm_start
-    results = {w.name: run_workload(llm, w, vocab_size, replica) for w in workloads}
+    results = {w.name: run_workload(llm, w, vocab_size, triton_cache, replica) for w in workloads}
     payload = {
         "startup_s": startup,
         "warmup_s": warmup,

@@ -326,7 +326,7 @@ def combine_replicas(records: list[dict]) -> dict:
         input_tokens = sum(p["input_tokens"] for p in parts)
         results[name] = {"wall_s": wall, "output_tokens": output_tokens, "input_tokens": input_tokens,
                          "output_tok_s": output_tokens / wall, "total_tok_s": (output_tokens + input_tokens) / wall,
-                         "replicas": parts}
+                         "triton_compiles": sum(p["triton_compiles"] for p in parts), "replicas": parts}
     exits = sorted({r["exit"] for r in records})
     return {**base, "status": "ok", "startup_s": max(r["startup_s"] for r in records),
             "warmup_s": max(r.get("warmup_s", 0.0) for r in records), "gpu": records[0]["gpu"],
@@ -362,6 +362,9 @@ def summarize(record: dict) -> str:
         metric = ALL_WORKLOADS[name].metric
         parts.append(f"{name} {result[metric]:,.1f} s" if metric == "wall_s"
                      else f"{name} {result[metric]:,.0f} tok/s")
+        # records of an engine before the count was kept (an archived results.json) have no such field
+        if result.get("triton_compiles"):
+            parts.append(f"{name} timed a compilation: {result['triton_compiles']} Triton kernels compiled inside it")
     return f"{head}: " + ", ".join(parts)
 
 

@@ -54,7 +54,8 @@ FAKE_REPLICA = textwrap.dedent("""
         out = len(prompts) * workload.output_len
         results[workload.name] = {"wall_s": end - start, "output_tokens": out, "input_tokens": len(prompts) * 1024,
                                   "output_tok_s": out / (end - start), "total_tok_s": 1.0,
-                                  "start_unix": start, "end_unix": end, "requests": len(prompts)}
+                                  "start_unix": start, "end_unix": end, "requests": len(prompts),
+                                  "triton_compiles": replica["rank"]}
     print("S4KV_BENCH_RESULT " + json.dumps({"startup_s": 2.0, "warmup_s": 0.5, "gpu": "Fake GPU", "vllm": "0.26.0",
                                              "workloads": results}), flush=True)
 """)
@@ -238,13 +239,13 @@ def test_barrier_waits_for_every_replica(tmp_path):
 
 
 def test_combined_replicas_sum_tokens_over_the_common_interval():
-    def part(start, end, tokens):
+    def part(start, end, tokens, compiles):
         return {"wall_s": end - start, "output_tokens": tokens, "input_tokens": tokens * 4, "output_tok_s": 0.0,
-                "total_tok_s": 0.0, "start_unix": start, "end_unix": end}
+                "total_tok_s": 0.0, "start_unix": start, "end_unix": end, "triton_compiles": compiles}
     records = [{"status": "ok", "kv_cache_tokens": 7_694_464, "log": "r0.log", "startup_s": 50.0, "warmup_s": 5.0,
-                "gpu": "G", "vllm": "0.26.0", "exit": "clean", "results": {"short": part(100.0, 104.0, 32768)}},
+                "gpu": "G", "vllm": "0.26.0", "exit": "clean", "results": {"short": part(100.0, 104.0, 32768, 0)}},
                {"status": "ok", "kv_cache_tokens": 7_694_336, "log": "r1.log", "startup_s": 55.0, "warmup_s": 4.0,
-                "gpu": "G", "vllm": "0.26.0", "exit": "clean", "results": {"short": part(100.1, 105.0, 32768)}}]
+                "gpu": "G", "vllm": "0.26.0", "exit": "clean", "results": {"short": part(100.1, 105.0, 32768, 2)}}]
     combined = bench.combine_replicas(records)
     short = combined["results"]["short"]
     assert combined["status"] == "ok" and combined["startup_s"] == 55.0 and combined["warmup_s"] == 5.0
@@ -253,6 +254,7 @@ def test_combined_replicas_sum_tokens_over_the_common_interval():
     assert short["output_tok_s"] == pytest.approx(65536 / 5.0)
     assert short["total_tok_s"] == pytest.approx(65536 * 5 / 5.0)
     assert len(short["replicas"]) == 2
+    assert short["triton_compiles"] == 2  # a compilation in any replica's timed run counts
     crashed = {"status": "failed", "kv_cache_tokens": None, "log": "r1.log", "error": "exit code 1: OOM"}
     stopped = {"status": "failed", "kv_cache_tokens": 7_694_464, "log": "r0.log",
                "error": "stopped: replica 1 failed first: no result line"}
@@ -279,6 +281,7 @@ def test_data_parallel_run_with_stand_in_replicas(tmp_path, stand_in, monkeypatc
     short = kivi["results"]["short"]
     assert short["output_tokens"] == 256 * 256
     assert [p["requests"] for p in short["replicas"]] == [128, 128]
+    assert short["triton_compiles"] == 1  # replica 1 of the stand-in compiled one kernel inside its timed run
     assert short["wall_s"] == pytest.approx(max(p["end_unix"] for p in short["replicas"])
                                             - min(p["start_unix"] for p in short["replicas"]))
     assert abs(short["replicas"][0]["start_unix"] - short["replicas"][1]["start_unix"]) < 0.5  # the barrier

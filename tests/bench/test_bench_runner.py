@@ -11,7 +11,7 @@ import pytest
 from bench_helpers import bench_args
 
 from s4kv.runtime.bench import runner as bench
-from s4kv.runtime.bench.engine import FIRST_SPECIAL_TOKEN, token_prompts
+from s4kv.runtime.bench.engine import FIRST_SPECIAL_TOKEN, cached_kernels, pin_triton_cache, token_prompts
 from s4kv.runtime.bench.matrix import FORMATS, WORKLOADS, engine_groups, expected_engine_s, parse_names
 
 # Prints what vLLM and bench_engine print; capacity and speed depend on the format, s4kv_saw crashes.
@@ -93,6 +93,32 @@ def test_full_run_writes_table_plot_and_records_failures(tmp_path, stand_in, cap
     assert (out / "model" / "config.json").is_file()
     printed = capsys.readouterr().out
     assert "s4kv_kivi: capacity" in printed and "MISSED" not in printed.split("s4kv_kivi:")[1].splitlines()[0]
+
+
+def test_triton_cache_is_pinned_once_and_counts_kernel_folders(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cache = pin_triton_cache()
+    assert cache == tmp_path / ".triton" / "cache" and os.environ["TRITON_CACHE_DIR"] == str(cache)
+    assert cached_kernels(cache) == 0  # not created yet
+    (cache / "HASH1").mkdir(parents=True)
+    (cache / "HASH2").mkdir()
+    (cache / "lock").write_text("")  # a file is not a compiled kernel
+    assert cached_kernels(cache) == 2
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "chosen"))
+    assert pin_triton_cache() == tmp_path / "chosen"  # a cache the user chose stays
+
+
+def test_summary_names_a_compilation_inside_a_timed_run():
+    record = {"format": "s4kv_kivi", "engine": {"gpu_memory_utilization": 0.9, "max_num_seqs": 256},
+              "status": "ok", "kv_cache_tokens": 7_606_656, "startup_s": 60.0,
+              "results": {"short": {"output_tok_s": 6103.0, "triton_compiles": 3},
+                          "long": {"wall_s": 17.0, "triton_compiles": 0}}}
+    line = bench.summarize(record)
+    assert "short 6,103 tok/s, short timed a compilation: 3 Triton kernels compiled inside it" in line
+    assert "long timed" not in line
+    del record["results"]["short"]["triton_compiles"]  # a record kept before the count was
+    assert "compil" not in bench.summarize(record)
 
 
 def test_merge_of_two_calls(tmp_path, stand_in):
