@@ -69,9 +69,8 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
 # each load a prefetch distance of (num_stages - 1) // (indirection levels + 1), and the page index read from the
 # block table is one level. At 3 stages the distance is 1, and the loop waits for every copy it issued before each
 # tile's compute (`DEPBAR.LE SB0, 0x0`, tools/device/sass_stats.py): no load overlaps the program's own compute. At
-# 5 the next tile's copies stay in flight. int4_kivi stays at 3: its decode kernel alone is 4-15% faster at 5, but end
-# to end it measured slower there, by more than its decode attention takes (docs/results/performance.md).
-DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=3, subnormal_codes=True, ptx_unpack=True,
+# 5 the next tile's copies stay in flight; 7 change nothing more.
+DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
                                            paired_param_loads=True, max_registers=168),
                  "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=5, subnormal_codes=False, ptx_unpack=True,
                                           paired_param_loads=True)}
