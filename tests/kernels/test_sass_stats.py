@@ -105,19 +105,14 @@ def test_kivi_decode_keeps_three_programs_per_sm(kivi_decode):
     assert int(cells["warps per SM"]) == 12, cells
 
 
-def test_kivi_decode_loop_overlaps_its_loads_with_its_compute(kivi_decode):
-    # as int4_saw's below: at 3 stages nothing was in flight at the loop's wait
-    _, cells = kivi_decode
-    assert cells["copy groups in flight at the wait"] not in ("0", "no wait"), cells
-
-
-def test_int4_saw_decode_loop_overlaps_its_loads_with_its_compute(saw_stats):
+def test_committed_decode_loops_overlap_their_loads_with_their_compute(kivi_decode, saw_stats):
     # the block-table read is a level of indirection that halves the pipeliner's prefetch distance: at 3 stages the
-    # loop waited for all its copies before each tile (0 in flight), and int4_saw's decode ran 5-12% slower at
+    # loop waited for all its copies before each tile (0 in flight), and both schemes' decode ran 4-15% slower at
     # batch >= 32
-    table, _ = saw_stats
-    cells = committed_row(table, "int4_saw")
-    assert cells["copy groups in flight at the wait"] not in ("0", "no wait"), cells
+    _, kivi_cells = kivi_decode
+    saw_table, _ = saw_stats
+    for cells in (kivi_cells, committed_row(saw_table, "int4_saw")):
+        assert cells["copy groups in flight at the wait"] not in ("0", "no wait"), cells
 
 
 def test_copies_in_flight_reads_the_pipeline_depth(tmp_path_factory):
