@@ -177,10 +177,10 @@ def parse_names(text: str, known: dict[str, Any], what: str, all_names: list[str
 # Wall seconds of each workload as measured on the H200 (vLLM 0.26.0); a time budget must
 # leave this much for a workload, and for a format not measured there, the slowest format's time.
 MEASURED_WALL_S = {
-    "short": {"bf16_fa3": 8.9, "fp8_fa3": 8.6, "vllm_int4": 14.5},
-    "long": {"bf16_fa3": 16.2, "fp8_fa3": 15.3, "vllm_int4": 87.9},
-    "many": {"bf16_fa3": 87.2, "vllm_int4": 148.0},
-    "24gb": {"bf16_fa3": 33.4, "vllm_int4": 45.7},
+    "short": {"bf16_fa3": 8.9, "fp8_fa3": 8.6, "vllm_int4": 14.5, "s4kv_kivi": 8.8, "s4kv_saw": 8.5},
+    "long": {"bf16_fa3": 16.2, "fp8_fa3": 15.3, "vllm_int4": 87.9, "s4kv_kivi": 16.3, "s4kv_saw": 15.8},
+    "many": {"bf16_fa3": 87.2, "fp8_fa3": 75.3, "vllm_int4": 148.0, "s4kv_kivi": 78.8, "s4kv_saw": 77.6},
+    "24gb": {"bf16_fa3": 33.4, "fp8_fa3": 24.3, "vllm_int4": 45.7, "s4kv_kivi": 21.4, "s4kv_saw": 23.4},
 }
 
 

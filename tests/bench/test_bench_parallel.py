@@ -136,7 +136,7 @@ def test_budget_estimates_scale_with_model_and_layout():
     measured = MEASURED_WALL_S["short"]
     # the 7B on one GPU: unchanged, start plus the measured (or slowest) wall time
     assert expected_engine_s("bf16_fa3", ["short"]) == ENGINE_START_S + measured["bf16_fa3"]
-    assert expected_engine_s("s4kv_kivi", ["short"], ModelScale(), FULL_CARD) == \
+    assert expected_engine_s("s4kv_saw_rotv", ["short"], ModelScale(), FULL_CARD) == \
         ENGINE_START_S + max(measured.values())
     assert expected_engine_s("bf16_fa3", ["short"], bench.model_scale(QWEN7B)[0], FULL_CARD) == \
         pytest.approx(expected_engine_s("bf16_fa3", ["short"]))
