@@ -55,6 +55,11 @@ class LaunchConfig:
     # ptxas register cap (None: the compiler's choice): the paired loads took int4_kivi's decode from 168 to 185
     # registers, one program fewer per SM; at 168 it fits three again, with no spills
     max_registers: int | None = None
+    # decode with keys per token (int4_saw) only: each warp takes its own TILE / num_warps tokens of every tile and
+    # keeps its own softmax state, merged once per program at the end. The warps then never meet inside the loop
+    # (no row maximum or sum across warps, no P exchanged through shared memory), at the cost of a [GROUP, D]
+    # accumulator per warp instead of per program
+    warp_split: bool = False
 
 
 # The ways codes become MMA operands, by name (LaunchConfig fields): what the GPU tests check and the tuning and
@@ -75,6 +80,9 @@ DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=5, 
                  "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=5, subnormal_codes=False, ptx_unpack=True,
                                           paired_param_loads=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
+# the decode launch of the batch sizes DECODE_SPLITS marks for the warp-split loop (LaunchConfig.warp_split)
+WARP_SPLIT_LAUNCH = {"int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=False,
+                                              ptx_unpack=True, paired_param_loads=True, warp_split=True)}
 
 
 def kept_launch_options(scheme_name: str) -> dict:
@@ -311,6 +319,70 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
     return m_new, l_i, acc_lo, acc_hi, acc_min
 
 
+@triton.jit
+def _attend_warp_split(first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, seq, seq_len, kv_head, qk_scale,
+                       cache_u8_ptr, cache_f16_ptr, block_table_ptr, block_table_stride, stride_block, stride_head,
+                       TILE: tl.constexpr, WARPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
+                       IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
+                       HALF: tl.constexpr, PAIRED: tl.constexpr):
+    """Decode over tiles [first_tile, last_tile) of keys per token (LaunchConfig.warp_split): tensors are
+    [WARPS, ...], and the batched dots give warp w the tokens w * SUB .. w * SUB + SUB - 1 of every tile, with its
+    own online softmax; the warps' states merge once at the end. Returns the merged (m, l, acc_lo, acc_hi, acc_min)
+    of the one-warp loop (_attend_tile), unscaled by CODE_SCALE."""
+    SUB: tl.constexpr = TILE // WARPS
+    layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
+    layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
+    layout_k_params: tl.constexpr = (2 * HALF + 4) * BLOCK_SIZE
+    ch = tl.arange(0, HALF)
+    token_in_tile = tl.arange(0, WARPS)[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [WARPS, SUB]
+    q_lo = tl.broadcast_to(qr_lo[None, :, :], (WARPS, BLOCK_M, HALF))
+    q_hi = tl.broadcast_to(qr_hi[None, :, :], (WARPS, BLOCK_M, HALF))
+    q_sum = tl.broadcast_to(qr_sum[None, :], (WARPS, BLOCK_M))
+    live = tl.broadcast_to(row_live[None, :], (WARPS, BLOCK_M))
+    m_i = tl.full([WARPS, BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([WARPS, BLOCK_M], tl.float32)
+    acc_lo = tl.zeros([WARPS, BLOCK_M, HALF], tl.float32)
+    acc_hi = tl.zeros([WARPS, BLOCK_M, HALF], tl.float32)
+    acc_min = tl.zeros([WARPS, BLOCK_M], tl.float32)
+    for tile in range(first_tile, last_tile):
+        start = tile * TILE
+        physical = tl.load(block_table_ptr + seq * block_table_stride + start // BLOCK_SIZE).to(tl.int64)
+        page = physical * stride_block + kv_head * stride_head
+        offset = tl.multiple_of(start % BLOCK_SIZE, TILE) + token_in_tile  # aligned: vector loads
+        written = (start + token_in_tile) < seq_len  # a decode row sees every written slot, and no other
+        k_packed = tl.load(cache_u8_ptr + page + offset[:, :, None] * HALF + ch[None, None, :])
+        v_packed = tl.trans(tl.load(cache_u8_ptr + page + layout_v_codes + ch[None, :, None] * BLOCK_SIZE
+                                    + offset[:, None, :]), (0, 2, 1))
+        if PTX_UNPACK:
+            k_lo, k_hi = _unpack_ptx(k_packed, SUBNORMAL, IS_BF16)
+            v_lo, v_hi = _unpack_ptx(v_packed, SUBNORMAL, IS_BF16)
+        else:
+            k_lo = _codes_as_float(k_packed & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+            k_hi = _codes_as_float(k_packed >> 4, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+            v_lo = _codes_as_float(v_packed & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+            v_hi = _codes_as_float(v_packed >> 4, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+        s_t, m_t = load_token_params(cache_f16_ptr, (page + layout_k_params) // 2, offset, written, PAIRED)
+        raw = tl.dot(q_lo, tl.trans(k_lo, (0, 2, 1))) + tl.dot(q_hi, tl.trans(k_hi, (0, 2, 1)))  # [WARPS, M, SUB]
+        scores = raw * (s_t * CODE_SCALE)[:, None, :] + q_sum[:, :, None] * m_t[:, None, :]
+        scores = tl.where(live[:, :, None] & written[:, None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 2))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_ref[:, :, None])
+        alpha = tl.exp2(m_i - m_ref)
+        sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written, PAIRED)
+        p_scaled = (p * sv[:, None, :]).to(q_lo.dtype)
+        l_i = l_i * alpha + tl.sum(p, 2)
+        acc_lo = acc_lo * alpha[:, :, None] + tl.dot(p_scaled, v_lo)
+        acc_hi = acc_hi * alpha[:, :, None] + tl.dot(p_scaled, v_hi)
+        acc_min = acc_min * alpha + tl.sum(p * mv[:, None, :], 2)
+        m_i = m_new
+    m = tl.max(m_i, 0)
+    weight = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for a warp that saw no key
+    return (m, tl.sum(l_i * weight, 0), tl.sum(acc_lo * weight[:, :, None], 0),
+            tl.sum(acc_hi * weight[:, :, None], 0), tl.sum(acc_min * weight, 0))
+
+
 # Runtime values must not pick kernel variants: Triton would otherwise compile one per "== 1 / multiple of 16"
 # value of num_seqs and per 16-byte alignment of the (sliced) metadata pointers, and a new variant met while
 # serving is a JIT stall of seconds. The metadata is read with scalar loads, where alignment buys nothing.
@@ -328,7 +400,7 @@ def _paged_attention_kernel(
     ROTATE_V: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
-    PAIRED_PARAMS: tl.constexpr,
+    PAIRED_PARAMS: tl.constexpr, WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -375,34 +447,41 @@ def _paged_attention_kernel(
         first_tile = split * tiles_per_split
         last_tile = tl.minimum(num_tiles, first_tile + tiles_per_split)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
-        acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
-        acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
-        # int4_kivi: the tiles before the program's own blocks in a loop of their own, per channel only, so the
-        # own-block path (original keys, a second score matrix) costs neither registers nor branches there
-        own_tile = last_tile
-        if IS_KIVI:
-            own_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
-        for tile in range(first_tile, own_tile):
-            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
-                seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
-                block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
-                new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
-        # not pipelined: its original-key tiles are 16-bit, and buffering them in shared memory (num_stages) would
-        # take the shared memory that lets a second program share the SM (occupancy) for at most a tile or two
-        for tile in tl.range(own_tile, last_tile, num_stages=1):
-            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
-                seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
-                block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
-                new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                True, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
+        if WARP_SPLIT:
+            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_warp_split(
+                first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, seq, seq_len, kv_head, qk_scale, cache_u8_ptr,
+                cache_f16_ptr, block_table_ptr, block_table_stride, stride_block, stride_head, TILE, WARPS,
+                BLOCK_SIZE, BLOCK_M, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF,
+                PAIRED_PARAMS)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
+            acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+            acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
+            # int4_kivi: the tiles before the program's own blocks in a loop of their own, per channel only, so the
+            # own-block path (original keys, a second score matrix) costs neither registers nor branches there
+            own_tile = last_tile
+            if IS_KIVI:
+                own_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
+            for tile in range(first_tile, own_tile):
+                m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
+                    seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
+                    block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
+                    new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
+                    False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
+                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
+            # not pipelined: its original-key tiles are 16-bit, and buffering them in shared memory (num_stages) would
+            # take the shared memory that lets a second program share the SM (occupancy) for at most a tile or two
+            for tile in tl.range(own_tile, last_tile, num_stages=1):
+                m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
+                    seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
+                    block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
+                    new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
+                    True, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
+                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * CODE_SCALE + acc_min[:, None]
 
@@ -452,20 +531,22 @@ def _merge_splits_kernel(
 
 
 # Split-KV decode: how many splits a batch gets, per scheme, by the KV-head programs per SM it gives unsplit
-# (num_seqs * num_kv_heads / SMs): (up to this many per SM, splits), first match. A function of the batch size
-# only, for a model and device, so every CUDA graph (captured per batch size) keeps its grid. Measured on the H200
-# at each scheme's DECODE_LAUNCH: each count is within 9% of the fastest at every context of 4k-32k measured
+# (num_seqs * num_kv_heads / SMs): (up to this many per SM, splits, warp split), first match; warp split True: the
+# batch runs WARP_SPLIT_LAUNCH instead of DECODE_LAUNCH. A function of the batch size only, for a model and device,
+# so every CUDA graph (captured per batch size) keeps its grid. Measured on the H200 at each scheme's launches
 # (tools/device/sweep_splits.py; `--apply` writes this table).
 DECODE_SPLITS = {
-    "int4_kivi": ((0.043, 64), (0.343, 32), (0.686, 16), (2.743, 8), (5.485, 4), (math.inf, 1)),
-    "int4_saw": ((0.043, 128), (0.121, 64), (0.343, 16), (0.686, 8), (1.371, 4), (2.743, 2), (math.inf, 1)),
+    "int4_kivi": ((0.043, 128, False), (0.343, 32, False), (0.686, 16, False), (1.371, 8, False), (2.743, 4, False),
+                  (math.inf, 2, False)),
+    "int4_saw": ((0.043, 128, False), (0.121, 64, False), (0.343, 16, False), (0.686, 8, False), (1.371, 4, False),
+                 (5.485, 2, True), (math.inf, 1, True)),
 }
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, table) -> int:
-    """Split count of a decode batch of ``num_seqs`` sequences by ``table`` (a DECODE_SPLITS entry)."""
+def decode_plan(num_seqs: int, num_kv_heads: int, num_sms: int, table) -> tuple[int, bool]:
+    """(split count, warp split) of a decode batch of ``num_seqs`` sequences by ``table`` (a DECODE_SPLITS entry)."""
     per_sm = num_seqs * num_kv_heads / num_sms
-    return next(splits for bound, splits in table if per_sm <= bound)
+    return next((splits, warp_split) for bound, splits, warp_split in table if per_sm <= bound)
 
 
 @dataclass
@@ -473,7 +554,8 @@ class SplitWorkspace:
     """Partial-softmax buffers for split-KV decode, allocated once (before CUDA-graph capture).
 
     ``splits[n]`` is the split count of a decode batch of n sequences, for n up to ``max_num_seqs`` (vLLM's
-    max_num_seqs: no batch is larger); the buffers hold the largest ``n * splits[n]``, so every batch fits.
+    max_num_seqs: no batch is larger), and ``warp_split[n]`` whether it runs the scheme's WARP_SPLIT_LAUNCH; the
+    buffers hold the largest ``n * splits[n]``, so every batch fits.
     """
 
     part_acc: torch.Tensor  # [rows, head_dim] fp32, each split's output normalized by its own softmax denominator
@@ -481,13 +563,14 @@ class SplitWorkspace:
     num_q_heads: int
     num_kv_heads: int
     splits: tuple[int, ...]
+    warp_split: tuple[bool, ...]
 
     @classmethod
     def allocate(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, device, scheme_name: str | None = None,
                  max_num_seqs: int = 256, num_splits: int | None = None,
                  num_sms: int | None = None) -> "SplitWorkspace":
-        """Splits by DECODE_SPLITS[scheme_name] for the device's SMs (``num_sms``: 8 off the GPU), or
-        ``num_splits`` (a power of two) for every batch size."""
+        """Splits and the warp-split choice by DECODE_SPLITS[scheme_name] for the device's SMs (``num_sms``: 8 off
+        the GPU), or ``num_splits`` (a power of two) for every batch size, none of them warp split."""
         check_head_dim(head_dim)
         if (num_splits is None) == (scheme_name is None):
             raise ValueError("give the scheme whose DECODE_SPLITS rule sizes the workspace, or a fixed num_splits")
@@ -500,13 +583,16 @@ class SplitWorkspace:
         device = torch.device(device)
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        splits = tuple(num_splits or (decode_splits(n, num_kv_heads, num_sms, DECODE_SPLITS[scheme_name]) if n else 1)
-                       for n in range(max_num_seqs + 1))
+        plans = [(num_splits, False) if num_splits else
+                 decode_plan(n, num_kv_heads, num_sms, DECODE_SPLITS[scheme_name]) if n else (1, False)
+                 for n in range(max_num_seqs + 1)]
+        splits = tuple(splits for splits, _ in plans)
         rows = max(n * s for n, s in enumerate(splits)) * num_q_heads
         return cls(
             part_acc=torch.empty(rows, head_dim, dtype=torch.float32, device=device),
             part_ml=torch.empty(rows, 2, dtype=torch.float32, device=device),
             num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, splits=splits,
+            warp_split=tuple(warp_split for _, warp_split in plans),
         )
 
     @property
@@ -514,10 +600,17 @@ class SplitWorkspace:
         return len(self.splits) - 1
 
     def num_splits(self, num_seqs: int) -> int:
+        self._check_batch(num_seqs)
+        return self.splits[num_seqs]
+
+    def warp_split_for(self, num_seqs: int) -> bool:
+        self._check_batch(num_seqs)
+        return self.warp_split[num_seqs]
+
+    def _check_batch(self, num_seqs: int) -> None:
         if num_seqs > self.max_num_seqs:
             raise ValueError(f"decode batch of {num_seqs} sequences, but the split workspace was allocated for "
                              f"max_num_seqs {self.max_num_seqs}")
-        return self.splits[num_seqs]
 
 
 def _code_format(dtype: torch.dtype, subnormal: bool) -> dict:
@@ -566,10 +659,21 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     default_launch = launch is None
     if decode:
         block_m = max(16, triton.next_power_of_2(group))
-        block_q, launch = 1, launch or DECODE_LAUNCH[scheme.name]
+        if launch is None:
+            # the warp-split launch where the split rule picks it and the page holds its whole tile
+            warp_launch = WARP_SPLIT_LAUNCH.get(scheme.name)
+            use_warps = (workspace is not None and workspace.warp_split_for(num_seqs) and warp_launch is not None
+                         and tile_tokens(block_size, warp_launch.tile) == warp_launch.tile)
+            launch = warp_launch if use_warps else DECODE_LAUNCH[scheme.name]
+        block_q = 1
     else:
         block_m = max(64, triton.next_power_of_2(group))
         block_q, launch = block_m // group, launch or PREFILL_LAUNCH
+    tile = tile_tokens(block_size, launch.tile)
+    if launch.warp_split and (not decode or scheme.is_kivi or tile // launch.num_warps < 16):
+        raise ValueError(f"LaunchConfig.warp_split is a decode launch for keys per token (int4_saw) with at least 16 "
+                         f"tokens per warp, got {scheme.name}, max_query_len {max_query_len}, a {tile}-token tile "
+                         f"over {launch.num_warps} warps")
     if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
         if not default_launch:
             raise ValueError(f"LaunchConfig.subnormal_codes is validated on the GPU at head_dim "
@@ -596,10 +700,11 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), new_keys.stride(0), new_keys.stride(1),
         *(staged_keys.stride()[:3] if scheme.is_kivi else (0, 0, 0)),
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile_tokens(block_size, launch.tile), BLOCK_SIZE=block_size,
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile, BLOCK_SIZE=block_size,
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
-        PAIRED_PARAMS=launch.paired_param_loads, **_code_format(query.dtype, launch.subnormal_codes),
+        PAIRED_PARAMS=launch.paired_param_loads, WARP_SPLIT=launch.warp_split, WARPS=launch.num_warps,
+        **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **compiler_options,
     )
     if num_splits > 1:

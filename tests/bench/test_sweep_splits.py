@@ -16,9 +16,26 @@ def test_candidates_bound_the_grid_by_programs_per_sm():
     assert sweep_splits.split_candidates(4096, 8, 132) == [1]
 
 
-def rows(times_by_case, shape="qwen2.5-7b", batch=32):
-    return [dict(shape=shape, batch=batch, context=context, method=scheme, splits=splits, us=us, num_sms=132)
+def rows(times_by_case, shape="qwen2.5-7b", batch=32, warp_split=False):
+    return [dict(shape=shape, batch=batch, context=context, method=scheme, splits=splits, us=us, num_sms=132,
+                 warp_split=warp_split)
             for (scheme, context), by_split in times_by_case.items() for splits, us in by_split.items()]
+
+
+def test_each_scheme_sweeps_its_decode_launches():
+    from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH
+
+    assert sweep_splits.scheme_launches("int4_kivi") == [DECODE_LAUNCH["int4_kivi"]]
+    assert sweep_splits.scheme_launches("int4_saw") == [DECODE_LAUNCH["int4_saw"], WARP_SPLIT_LAUNCH["int4_saw"]]
+
+
+def test_choose_weighs_the_warp_split_launch_as_one_more_candidate():
+    measured = rows({("int4_saw", 4096): {4: 100.0, 8: 90.0}, ("int4_saw", 32768): {4: 600.0, 8: 580.0}}) + \
+        rows({("int4_saw", 4096): {4: 95.0, 8: 120.0}, ("int4_saw", 32768): {4: 400.0, 8: 420.0}}, warp_split=True)
+    pick = sweep_splits.choose_splits(measured)["int4_saw"][128]
+    # warp split at 4 splits: worst 95/90 = 1.06x; the tile loop's best (8) is 580/400 = 1.45x at 32k
+    assert (pick["splits"], pick["warp_split"]) == (4, True)
+    assert abs(pick["worst"] - 95 / 90) < 1e-9
 
 
 def test_choose_minimizes_the_worst_slowdown_over_contexts_per_scheme():
@@ -29,7 +46,7 @@ def test_choose_minimizes_the_worst_slowdown_over_contexts_per_scheme():
     chosen = sweep_splits.choose_splits(measured)
     kivi = chosen["int4_kivi"][32 * 4]  # keyed by KV-head programs: batch x 4 KV heads
     # 8: worst 500/450 = 1.11x; 32: 150/90 = 1.67x; 4: 600/450 = 1.33x
-    assert kivi["splits"] == 8
+    assert (kivi["splits"], kivi["warp_split"]) == (8, False)
     assert abs(kivi["worst"] - 500 / 450) < 1e-9
     assert chosen["int4_saw"][128]["splits"] == 4
     assert set(chosen) == {"int4_kivi", "int4_saw"}
@@ -51,27 +68,39 @@ def test_choose_ignores_counts_missing_from_a_case():
 def test_split_table_bounds_at_geometric_midpoints_and_merges_equal_neighbours():
     chosen = {4: {"splits": 64}, 32: {"splits": 16}, 128: {"splits": 16}, 1024: {"splits": 2}, 2048: {"splits": 1}}
     table = sweep_splits.split_table(chosen, 132)
-    assert table == ((round((4 * 32) ** 0.5 / 132, 3), 64), (round((128 * 1024) ** 0.5 / 132, 3), 16),
-                     (round((1024 * 2048) ** 0.5 / 132, 3), 2), (float("inf"), 1))
+    assert table == ((round((4 * 32) ** 0.5 / 132, 3), 64, False), (round((128 * 1024) ** 0.5 / 132, 3), 16, False),
+                     (round((1024 * 2048) ** 0.5 / 132, 3), 2, False), (float("inf"), 1, False))
+
+
+def test_split_table_keeps_the_launch_and_caps_splits_only_on_the_same_launch():
+    chosen = {4: {"splits": 64, "warp_split": False}, 128: {"splits": 8, "warp_split": True},
+              512: {"splits": 16, "warp_split": True}, 1024: {"splits": 16, "warp_split": False}}
+    table = sweep_splits.split_table(chosen, 132)
+    # 512's 16 is capped at the warp-split 8 before it; 1024's 16 follows a warp-split point, so it stands
+    assert [entry[1:] for entry in table] == [(64, False), (8, True), (16, False)]
+    assert table[1][0] == round((512 * 1024) ** 0.5 / 132, 3)
 
 
 def test_apply_rewrites_the_kernels_tables_and_the_rule_reads_them():
     from s4kv.kernels import attention
 
     source = sweep_splits.ATTENTION_SOURCE.read_text()
-    tables = {"int4_kivi": ((0.5, 32), (2.0, 4), (float("inf"), 1)), "int4_saw": ((1.0, 8), (float("inf"), 1))}
+    tables = {"int4_kivi": ((0.5, 32, False), (2.0, 4, False), (float("inf"), 1, False)),
+              "int4_saw": ((1.0, 8, False), (float("inf"), 2, True))}
     written = sweep_splits.apply_split_tables(source, tables)
     assert written.count("DECODE_SPLITS = {") == 1
     namespace = {"math": __import__("math")}
     exec(sweep_splits.DECODE_SPLITS_BLOCK.search(written).group(0), namespace)
     assert namespace["DECODE_SPLITS"] == tables
-    assert attention.decode_splits(33, 4, 132, namespace["DECODE_SPLITS"]["int4_kivi"]) == 4  # 1.0 per SM
+    assert attention.decode_plan(33, 4, 132, namespace["DECODE_SPLITS"]["int4_kivi"]) == (4, False)  # 1.0 per SM
+    assert attention.decode_plan(34, 4, 132, namespace["DECODE_SPLITS"]["int4_saw"]) == (2, True)
     with pytest.raises(ValueError, match="no split table for int4_saw"):
         sweep_splits.apply_split_tables(source, {"int4_kivi": tables["int4_kivi"]})
 
 
 def test_render_marks_the_fastest_count():
-    measured = rows({("int4_saw", 4096): {4: 100.0, 8: 90.0}})
-    measured[0]["committed_splits"] = 8
+    measured = rows({("int4_saw", 4096): {4: 100.0, 8: 90.0}}) + rows({("int4_saw", 4096): {4: 85.0}},
+                                                                     warp_split=True)
+    measured[0]["committed_splits"] = "w4"
     table = sweep_splits.render(measured)
-    assert "4:100 8:90* | 8 |" in table
+    assert "4:100 8:90 w4:85* | w4 |" in table

@@ -29,8 +29,8 @@ from kv_batches import (
 )
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.attention import (CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SUBNORMAL_HEAD_DIMS, SplitWorkspace,
-                                    paged_attention)
+from s4kv.kernels.attention import (CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SUBNORMAL_HEAD_DIMS, WARP_SPLIT_LAUNCH,
+                                    SplitWorkspace, paged_attention)
 from s4kv.kernels.dense import gather_dense_kv
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import stage_open_keys, store_kv
@@ -122,7 +122,6 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
     default): fp16 subnormals and/or inline-PTX unpacking."""
     scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
     num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
-    softmax_scale = head_dim**-0.5
     gen = gpu_gen(request)
     batch = make_paged_batch(gen, batch_specs(kind, gen), num_q_heads, num_kv_heads, block_size=128, dtype=dtype,
                              device="cuda", num_padding=8, head_dim=head_dim)
@@ -136,10 +135,35 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
     if scheme.is_kivi:
         return  # its attention reads the staging pool and the step's keys: test_own_block_gpu.py
 
-    workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda", scheme.name) \
-        if batch.max_query_len == 1 else None
     launch = DECODE_LAUNCH[scheme.name] if batch.max_query_len == 1 else PREFILL_LAUNCH
-    launch = dataclasses.replace(launch, **CODE_PATHS[codes])
+    check_attention(error_table, batch, cache, scheme, dataclasses.replace(launch, **CODE_PATHS[codes]),
+                    f"| {shape} | {dtype_name} | {scheme_name} | {codes} | {kind}", f"{mismatch:.2%}")
+
+
+@pytest.mark.parametrize("codes", list(CODE_PATHS))
+@pytest.mark.parametrize("scheme_name,shape", [(scheme, shape) for scheme, shape in SCHEME_SHAPES if scheme != "kivi"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_warp_split_decode_at_real_sizes(request, error_table, dtype_name, scheme_name, shape, codes):
+    """int4_saw's warp-split decode launch (WARP_SPLIT_LAUNCH) with each code path, 64 decodes of 1k-8k tokens."""
+    scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
+    num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
+    gen = gpu_gen(request)
+    batch = make_paged_batch(gen, batch_specs("decode64", gen), num_q_heads, num_kv_heads, block_size=128,
+                             dtype=dtype, device="cuda", num_padding=8, head_dim=head_dim)
+    cache = cache_with_prefix(batch, scheme, gen, "cuda")
+    store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    launch = dataclasses.replace(WARP_SPLIT_LAUNCH["int4_saw"], **CODE_PATHS[codes])
+    check_attention(error_table, batch, cache, scheme, launch,
+                    f"| {shape} | {dtype_name} | {scheme_name} | {codes}, warp split | decode64", "-")
+
+
+def check_attention(error_table, batch, cache, scheme, launch, row_start: str, mismatch: str) -> None:
+    """int4_saw attention of ``batch`` over ``cache`` at ``launch`` (decode: the split workspace of the scheme's
+    rule) against the float32 reference and bf16 attention over the unquantized K/V; one row of the error table."""
+    head_dim = batch.query.shape[-1]
+    softmax_scale = head_dim**-0.5
+    workspace = SplitWorkspace.allocate(batch.query.shape[1], cache.shape[1], head_dim, "cuda", scheme.name) \
+        if batch.max_query_len == 1 else None
     out = torch.full_like(batch.query, float("nan"))
     if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:  # faults here (illegal address): refused
         with pytest.raises(ValueError, match="subnormal_codes is validated on the GPU"):
@@ -155,9 +179,9 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
     baseline = bf16_attention(batch, softmax_scale)
     quant_err = relative_error(out, baseline)
     bf16_err = relative_error(baseline, unquantized_attention(batch, softmax_scale))
-    error_table.append(f"| {shape} | {dtype_name} | {scheme_name} | {codes} | "
-                       f"{kind} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
-                       f"| {kernel_err:.2e} | {quant_err:.3f} | {bf16_err:.1e} | {mismatch:.2%} |")
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[batch.query.dtype]
+    error_table.append(f"{row_start} ({len(batch.specs)} seqs, {batch.num_tokens} tokens) "
+                       f"| {kernel_err:.2e} | {quant_err:.3f} | {bf16_err:.1e} | {mismatch} |")
     assert kernel_err < MAX_KERNEL_ERR[dtype_name], f"kernel vs reference {kernel_err:.2e}"
     assert quant_err < MAX_QUANT_ERR, f"kernel vs unquantized bf16 attention {quant_err:.3f}"
 

@@ -10,7 +10,7 @@ import torch
 from kv_batches import relative_error
 from own_block_oracle import batch_rule_attention, stored_step
 
-from s4kv.kernels.attention import DECODE_SPLITS, SplitWorkspace, decode_splits, paged_attention
+from s4kv.kernels.attention import DECODE_SPLITS, WARP_SPLIT_LAUNCH, SplitWorkspace, decode_plan, paged_attention
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import SCHEMES
 
@@ -18,22 +18,25 @@ from s4kv.runtime.schemes import SCHEMES
 @pytest.mark.parametrize("scheme_name", SCHEMES)
 def test_every_scheme_has_an_ordered_table_that_ends_unbounded(scheme_name):
     table = DECODE_SPLITS[scheme_name]
-    bounds = [bound for bound, _ in table]
+    bounds = [bound for bound, _, _ in table]
     assert bounds == sorted(bounds) and bounds[-1] == math.inf
-    assert all(s >= 1 and s & (s - 1) == 0 for _, s in table), "the merge kernel tiles splits by a power of 2"
-    splits = [s for _, s in table]
-    assert splits == sorted(splits, reverse=True), "a larger batch never gets more splits"
+    assert all(s >= 1 and s & (s - 1) == 0 for _, s, _ in table), "the merge kernel tiles splits by a power of 2"
+    for launch in (False, True):  # on one launch, a larger batch never gets more splits
+        splits = [s for _, s, warp_split in table if warp_split == launch]
+        assert splits == sorted(splits, reverse=True)
+    if scheme_name not in WARP_SPLIT_LAUNCH:
+        assert not any(warp_split for _, _, warp_split in table)
 
 
 def test_rule_reads_kv_head_programs_per_sm():
-    table = ((0.25, 64), (1.0, 8), (4.0, 2), (math.inf, 1))
-    assert decode_splits(1, 4, 132, table) == 64  # 4 / 132 per SM
-    assert decode_splits(33, 4, 132, table) == 8  # 132 / 132 = 1.0: inclusive bound
-    assert decode_splits(34, 4, 132, table) == 2
-    assert decode_splits(66, 8, 132, table) == 2  # 528 / 132 = 4.0
-    assert decode_splits(256, 8, 132, table) == 1
+    table = ((0.25, 64, False), (1.0, 8, False), (4.0, 2, True), (math.inf, 1, True))
+    assert decode_plan(1, 4, 132, table) == (64, False)  # 4 / 132 per SM
+    assert decode_plan(33, 4, 132, table) == (8, False)  # 132 / 132 = 1.0: inclusive bound
+    assert decode_plan(34, 4, 132, table) == (2, True)
+    assert decode_plan(66, 8, 132, table) == (2, True)  # 528 / 132 = 4.0
+    assert decode_plan(256, 8, 132, table) == (1, True)
     # the same batch on a device with twice the SMs spreads twice as thin: more splits
-    assert decode_splits(34, 4, 264, table) == 8
+    assert decode_plan(34, 4, 264, table) == (8, False)
 
 
 @pytest.mark.parametrize("scheme_name", SCHEMES)
@@ -44,8 +47,8 @@ def test_workspace_holds_the_largest_batch_times_its_splits(scheme_name, num_q_h
     table = DECODE_SPLITS[scheme_name]
     assert ws.max_num_seqs == max_num_seqs
     for n in range(1, max_num_seqs + 1):
-        assert ws.num_splits(n) == decode_splits(n, num_kv_heads, 132, table)
-    need = max(n * decode_splits(n, num_kv_heads, 132, table) for n in range(1, max_num_seqs + 1)) * num_q_heads
+        assert (ws.num_splits(n), ws.warp_split_for(n)) == decode_plan(n, num_kv_heads, 132, table)
+    need = max(n * decode_plan(n, num_kv_heads, 132, table)[0] for n in range(1, max_num_seqs + 1)) * num_q_heads
     assert ws.part_acc.shape == (need, 128) and ws.part_ml.shape == (need, 2)
     assert ws.part_acc.dtype == ws.part_ml.dtype == torch.float32
 
@@ -54,11 +57,14 @@ def test_workspace_refuses_a_batch_above_max_num_seqs():
     ws = SplitWorkspace.allocate(8, 2, 128, "cpu", "int4_saw", max_num_seqs=16)
     with pytest.raises(ValueError, match="max_num_seqs 16"):
         ws.num_splits(17)
+    with pytest.raises(ValueError, match="max_num_seqs 16"):
+        ws.warp_split_for(17)
 
 
 def test_fixed_split_count_for_every_batch_size():
     ws = SplitWorkspace.allocate(8, 2, 64, "cpu", max_num_seqs=5, num_splits=16)
     assert {ws.num_splits(n) for n in range(1, 6)} == {16}
+    assert not any(ws.warp_split)
     assert ws.part_acc.shape == (5 * 16 * 8, 64)
     with pytest.raises(ValueError, match="power of two"):
         SplitWorkspace.allocate(8, 2, 64, "cpu", num_splits=12)
@@ -87,7 +93,7 @@ def test_kernel_matches_the_reference_at_the_counts_the_h200_table_picks(gen, ke
     ws = SplitWorkspace.allocate(num_q_heads, num_kv_heads, 128, kernel_device, scheme_name, max_num_seqs=num_seqs,
                                  num_sms=132)
     splits = ws.num_splits(num_seqs)
-    assert splits == decode_splits(num_seqs, num_kv_heads, 132, DECODE_SPLITS[scheme_name]) >= 32
+    assert splits == decode_plan(num_seqs, num_kv_heads, 132, DECODE_SPLITS[scheme_name])[0] >= 32
     ws.part_acc.fill_(float("nan"))
     ws.part_ml.fill_(float("nan"))
     batch, cache, pool = stored_step(gen, RULE_CASES[num_seqs], 128, kernel_device, num_q_heads, num_kv_heads,

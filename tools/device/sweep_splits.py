@@ -5,14 +5,16 @@
 
 For each attention shape (bench_kernels.SHAPES), batch and context, FA3 on bf16 and on fp8 run first where vLLM
 is importable (the times to compare with), then each scheme's cache is filled once by our store kernel and read at
-its committed decode launch with the split workspace forced to each split count in turn (split_candidates).
-Outputs are checked finite and against the scheme's first split count (splits change only the order of the sums:
-within SPLIT_MAX_REL_DIFF) and FA3's (bench_kernels' sanity bound); times are medians of CUDA-graph replays.
+each of its decode launches (DECODE_LAUNCH, and WARP_SPLIT_LAUNCH where the scheme has one) with the split
+workspace forced to each split count in turn (split_candidates). Outputs are checked finite and against the
+scheme's first candidate (launches and splits change only the order of the sums: within SPLIT_MAX_REL_DIFF) and
+FA3's (bench_kernels' sanity bound); times are medians of CUDA-graph replays.
 
-The split count chosen per scheme for a batch size is the one with the smallest worst-case slowdown against the
-fastest count over the contexts and shapes measured at its KV-head programs (batch x KV heads): the rule must
-depend on the batch only (CUDA graphs are captured per batch size), so one count serves every context. Printed after a
-sweep, or from a saved one with ``--choose``; ``--apply`` writes it into kernels/attention.py's DECODE_SPLITS.
+The (split count, launch) chosen per scheme for a batch size is the candidate with the smallest worst-case slowdown
+against the fastest one over the contexts and shapes measured at its KV-head programs (batch x KV heads): the rule
+must depend on the batch only (CUDA graphs are captured per batch size), so one candidate serves every context.
+Printed after a sweep, or from a saved one with ``--choose``; ``--apply`` writes it into kernels/attention.py's
+DECODE_SPLITS.
 
     python -m tools.device.sweep_splits --choose DIR/sweep_splits.json --apply
 """
@@ -42,6 +44,14 @@ MAX_PROGRAMS_PER_SM = 64
 SPLIT_MAX_REL_DIFF = 0.1
 
 
+def scheme_launches(scheme_name: str) -> list:
+    """The decode launches a scheme's split rule chooses between: DECODE_LAUNCH, then WARP_SPLIT_LAUNCH if any."""
+    from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH
+
+    return [DECODE_LAUNCH[scheme_name]] + ([WARP_SPLIT_LAUNCH[scheme_name]] if scheme_name in WARP_SPLIT_LAUNCH
+                                           else [])
+
+
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
     """Powers of two up to MAX_SPLITS whose grid holds between num_sms / 4 and MAX_PROGRAMS_PER_SM * num_sms
     programs (1 when even one split is above that). Splits past a short context are empty programs, which the
@@ -53,16 +63,18 @@ def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
 
 
 def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
-    """scheme -> KV-head programs of a batch unsplit (batch x KV heads) -> {"splits": the count with the smallest
-    worst-case slowdown against the fastest count over every (shape, context) measured there, "worst": that
-    slowdown, "cases": {(shape, context): (its time, fastest time)}}. Only counts measured in every case compete."""
-    groups: dict[str, dict[int, dict[tuple, dict[int, float]]]] = {}
+    """scheme -> KV-head programs of a batch unsplit (batch x KV heads) -> {"splits", "warp_split": the candidate
+    with the smallest worst-case slowdown against the fastest candidate over every (shape, context) measured
+    there, "worst": that slowdown, "cases": {(shape, context): (its time, fastest time)}}. A candidate is a split
+    count on one of the scheme's launches (warp_split: WARP_SPLIT_LAUNCH); only those measured in every case
+    compete."""
+    groups: dict[str, dict[int, dict[tuple, dict[tuple[int, bool], float]]]] = {}
     for r in rows:
         if r.get("us") is None or r["method"] not in SCHEMES:
             continue
         programs = r["batch"] * bk.SHAPES[r["shape"]][1]
         cases = groups.setdefault(r["method"], {}).setdefault(programs, {})
-        cases.setdefault((r["shape"], r["context"]), {})[r["splits"]] = r["us"]
+        cases.setdefault((r["shape"], r["context"]), {})[(r["splits"], r.get("warp_split", False))] = r["us"]
     chosen: dict[str, dict[int, dict]] = {}
     for scheme, by_programs in groups.items():
         for programs, cases in by_programs.items():
@@ -70,39 +82,49 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
             if not common:
                 continue
 
-            def worst(s):
-                return max(t[s] / min(t.values()) for t in cases.values())
+            def worst(candidate):
+                return max(t[candidate] / min(t.values()) for t in cases.values())
 
             best = min(sorted(common), key=worst)
             chosen.setdefault(scheme, {})[programs] = {
-                "splits": best, "worst": worst(best),
+                "splits": best[0], "warp_split": best[1], "worst": worst(best),
                 "cases": {c: (t[best], min(t.values())) for c, t in cases.items()}}
     return chosen
 
 
-def split_table(chosen: dict[int, dict], num_sms: int) -> tuple[tuple[float, int], ...]:
-    """One scheme's DECODE_SPLITS entry from its chosen counts: each measured point's count holds up to the
-    geometric mean of its KV-head programs and the next point's (per SM); the last holds beyond; equal neighbours
-    merge. A point never gets more splits than the point before it (a larger batch already fills the SMs: where a
-    sweep says otherwise, the counts were within a few percent)."""
+def split_table(chosen: dict[int, dict], num_sms: int) -> tuple[tuple[float, int, bool], ...]:
+    """One scheme's DECODE_SPLITS entry from its chosen candidates: each measured point's (splits, warp split)
+    holds up to the geometric mean of its KV-head programs and the next point's (per SM); the last holds beyond;
+    equal neighbours merge. On the same launch a point never gets more splits than the point before it (a larger
+    batch already fills the SMs: where a sweep says otherwise, the counts were within a few percent)."""
     points = sorted(chosen)
-    table: list[tuple[float, int]] = []
+    table: list[tuple[float, int, bool]] = []
     for here, after in zip(points, points[1:] + [None]):
         bound = math.inf if after is None else round(math.sqrt(here * after) / num_sms, 3)
-        splits = min(chosen[here]["splits"], table[-1][1]) if table else chosen[here]["splits"]
-        if table and table[-1][1] == splits:
-            table[-1] = (bound, splits)
+        splits, warp_split = chosen[here]["splits"], chosen[here].get("warp_split", False)
+        if table and table[-1][2] == warp_split:
+            splits = min(splits, table[-1][1])
+        if table and table[-1][1:] == (splits, warp_split):
+            table[-1] = (bound, splits, warp_split)
         else:
-            table.append((bound, splits))
+            table.append((bound, splits, warp_split))
     return tuple(table)
 
 
-def tables_source(tables: dict[str, tuple]) -> str:
-    def entry(table):
-        return "(" + ", ".join(f"({'math.inf' if b == math.inf else b}, {s})" for b, s in table) + ")"
+def tables_source(tables: dict[str, tuple], width: int = 120) -> str:
+    """The DECODE_SPLITS assignment, each scheme's entries wrapped to ``width`` columns (the lint's line length)."""
+    def entry(scheme, table):
+        head = f'    "{scheme}": ('
+        lines, line = [], head
+        for b, s, w in table:
+            item = f"({'math.inf' if b == math.inf else b}, {s}, {w}), "
+            if len(line) + len(item.rstrip()) > width - 2 and line.strip() != head.strip():
+                lines.append(line.rstrip())
+                line = " " * len(head)
+            line += item
+        return "\n".join(lines + [line.rstrip().rstrip(",") + "),"]) + "\n"
 
-    body = "".join(f'    "{scheme}": {entry(table)},\n' for scheme, table in tables.items())
-    return "DECODE_SPLITS = {\n" + body + "}\n"
+    return "DECODE_SPLITS = {\n" + "".join(entry(scheme, table) for scheme, table in tables.items()) + "}\n"
 
 
 ATTENTION_SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "attention.py"
@@ -119,12 +141,17 @@ def apply_split_tables(source: str, tables: dict[str, tuple]) -> str:
     return DECODE_SPLITS_BLOCK.sub(lambda _: tables_source(tables), source)
 
 
+def candidate_name(splits: int, warp_split: bool) -> str:
+    return f"{'w' if warp_split else ''}{splits}"
+
+
 def render(rows: list[dict]) -> str:
     """One line per (shape, scheme, batch, context): FA3 times, then each split count's time (fastest starred)."""
     by_case: dict[tuple, list[dict]] = {}
     for r in rows:
         by_case.setdefault((r["shape"], r["batch"], r["context"]), []).append(r)
-    lines = ["| shape | batch | context | fa3_bf16 | fa3_fp8 | scheme | us per split count (fastest *) | committed |",
+    lines = ["| shape | batch | context | fa3_bf16 | fa3_fp8 | scheme | us per candidate: split count, w = warp split "
+             "(fastest *) | committed |",
              "|---|---|---|---|---|---|---|---|"]
     for (shape, batch, context), case in by_case.items():
         ref = {r["method"]: r for r in case if r["method"].startswith("fa3")}
@@ -134,7 +161,8 @@ def render(rows: list[dict]) -> str:
             if not timed:
                 continue
             fastest = min(r["us"] for r in timed)
-            cells = " ".join(f"{r['splits']}:{r['us']:,.0f}{'*' if r['us'] == fastest else ''}" for r in timed)
+            cells = " ".join(f"{candidate_name(r['splits'], r.get('warp_split', False))}:{r['us']:,.0f}"
+                             f"{'*' if r['us'] == fastest else ''}" for r in timed)
             committed = timed[0].get("committed_splits")
             lines.append(f"| {shape} | {batch} | {context:,} | {fa3('fa3_bf16')} | {fa3('fa3_fp8')} | {scheme} | "
                          f"{cells} | {committed} |")
@@ -200,35 +228,40 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
     for scheme_name in SCHEMES:
         scheme = scheme_cls.parse({"scheme": scheme_name})
         cache = bk.fill_s4kv_cache(scheme, problem, tables[bk.S4KV_BLOCK_SIZE])
-        committed = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, kv_pool.device, scheme_name,
-                                           max_num_seqs=batch).num_splits(batch)
-        first = None  # the first split count's output: every other count must match it
-        for splits in split_candidates(batch, num_kv_heads, num_sms):
-            workspace = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, kv_pool.device,
-                                               max_num_seqs=batch, num_splits=splits)
-            out = torch.full_like(query, float("nan"))
-            row = dict(base, method=scheme_name, splits=splits, committed_splits=committed)
-            try:
-                us = bk.median_ms(bk.s4kv_decode_call(scheme, problem, cache, tables[bk.S4KV_BLOCK_SIZE], out,
-                                                      workspace), rep_ms=60) * 1e3
-                if not torch.isfinite(out).all():
-                    raise RuntimeError("output has NaN/inf (unwritten or broken)")
-                err = float((out.float() - reference).norm() / reference.norm()) if reference is not None else None
-                if err is not None and err > bk.SANITY_MAX_REL_ERR:
-                    raise RuntimeError(f"output differs from FA3's by {err:.3f} (relative)")
-                if first is None:
-                    first = out.float()
-                diff = float((out.float() - first).norm() / first.norm())
-                if diff > SPLIT_MAX_REL_DIFF:
-                    raise RuntimeError(f"output differs from the first split count's by {diff:.2e} (relative)")
-                rows.append(dict(row, us=us, gbps=nbytes / us / 1e3, rel_err_vs_fa3=err))
-            except Exception as exc:
-                traceback.print_exc()
-                rows.append(dict(row, us=None, error=f"{type(exc).__name__}: {exc}"))
-            del workspace
+        rule = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, kv_pool.device, scheme_name,
+                                      max_num_seqs=batch)
+        committed = candidate_name(rule.num_splits(batch), rule.warp_split_for(batch))
+        first = None  # the first candidate's output: every other one must match it
+        for launch in scheme_launches(scheme_name):
+            for splits in split_candidates(batch, num_kv_heads, num_sms):
+                workspace = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, kv_pool.device,
+                                                   max_num_seqs=batch, num_splits=splits)
+                out = torch.full_like(query, float("nan"))
+                row = dict(base, method=scheme_name, splits=splits, warp_split=launch.warp_split,
+                           committed_splits=committed)
+                try:
+                    us = bk.median_ms(bk.s4kv_decode_call(scheme, problem, cache, tables[bk.S4KV_BLOCK_SIZE], out,
+                                                          workspace, launch), rep_ms=60) * 1e3
+                    if not torch.isfinite(out).all():
+                        raise RuntimeError("output has NaN/inf (unwritten or broken)")
+                    err = (float((out.float() - reference).norm() / reference.norm()) if reference is not None
+                           else None)
+                    if err is not None and err > bk.SANITY_MAX_REL_ERR:
+                        raise RuntimeError(f"output differs from FA3's by {err:.3f} (relative)")
+                    if first is None:
+                        first = out.float()
+                    diff = float((out.float() - first).norm() / first.norm())
+                    if diff > SPLIT_MAX_REL_DIFF:
+                        raise RuntimeError(f"output differs from the first candidate's by {diff:.2e} (relative)")
+                    rows.append(dict(row, us=us, gbps=nbytes / us / 1e3, rel_err_vs_fa3=err))
+                except Exception as exc:
+                    traceback.print_exc()
+                    rows.append(dict(row, us=None, error=f"{type(exc).__name__}: {exc}"))
+                del workspace
         del cache
         torch.cuda.empty_cache()
-    line = " ".join(f"{r['method']}/{r['splits']}:{r['us']:,.0f}" for r in rows if r.get("us"))
+    line = " ".join(f"{r['method']}/{candidate_name(r['splits'], r.get('warp_split', False))}:{r['us']:,.0f}"
+                    for r in rows if r.get("us"))
     print(f"{shape} b={batch} ctx={context}: {line}", flush=True)
     return rows
 
@@ -256,8 +289,9 @@ def main() -> int:
     chosen = choose_splits(rows)
     for scheme, by_programs in sorted(chosen.items()):
         for programs, pick in sorted(by_programs.items()):
-            print(f"{scheme} at {programs} KV-head programs: {pick['splits']} splits, worst case {pick['worst']:.2f}x "
-                  f"the fastest count over {len(pick['cases'])} cases")
+            launch = "WARP_SPLIT_LAUNCH" if pick["warp_split"] else "DECODE_LAUNCH"
+            print(f"{scheme} at {programs} KV-head programs: {pick['splits']} splits on {launch}, worst case "
+                  f"{pick['worst']:.2f}x the fastest candidate over {len(pick['cases'])} cases")
     tables = {scheme: split_table(chosen[scheme], rows[0]["num_sms"]) for scheme in SCHEMES if scheme in chosen}
     print(tables_source(tables), end="")
     if args.apply:
