@@ -49,10 +49,10 @@ def saw_stats(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saw_loops(saw_stats):
-    """Loop histograms of int4_saw's default decode launch with bf16 queries, by code path."""
+    """Loop histograms of int4_saw's DECODE_LAUNCH (the tile loop) with bf16 queries, by code path."""
     table, loops = saw_stats
     assert "| int4_saw bf16 biased+ptx" in table  # the printed table
-    return {label.split()[2]: histogram for label, histogram in loops.items()}
+    return {label.split()[2]: histogram for label, histogram in loops.items() if not label.endswith("warp split")}
 
 
 def test_every_code_path_runs_the_same_tensor_core_work(saw_loops):
@@ -113,6 +113,20 @@ def test_committed_decode_loops_overlap_their_loads_with_their_compute(kivi_deco
     saw_table, _ = saw_stats
     for cells in (kivi_cells, committed_row(saw_table, "int4_saw")):
         assert cells["copy groups in flight at the wait"] not in ("0", "no wait"), cells
+
+
+def test_warp_split_loop_meets_only_for_the_pipeline(saw_stats):
+    """int4_saw's two decode loops at the committed launches (bf16 queries, the committed code path): split per warp,
+    a tile's row maximum, row sums and P never cross warps, so the warps meet only where the software pipeline
+    hands over its buffers; the tile loop meets at every cross-warp reduction and at P's layout change."""
+    from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH
+
+    table, _ = saw_stats
+    tiles, warps = DECODE_LAUNCH["int4_saw"], WARP_SPLIT_LAUNCH["int4_saw"]
+    tile_row = table_row(table, f"int4_saw bf16 {code_path_of(tiles)} {tiles.tile}x4x{tiles.num_stages}")
+    warp_row = table_row(table, f"int4_saw bf16 {code_path_of(warps)} {warps.tile}x4x{warps.num_stages} warp split")
+    assert int(warp_row["CTA barriers per tile"]) <= 2 < int(tile_row["CTA barriers per tile"]), (tile_row, warp_row)
+    assert int(warp_row["spill bytes"]) == 0 and warp_row["copy groups in flight at the wait"] not in ("0", "no wait")
 
 
 def test_copies_in_flight_reads_the_pipeline_depth(tmp_path_factory):

@@ -7,10 +7,10 @@ latency bound on its loads). Triton compiles for sm_90 on any machine (ptxas and
 this compiles ``_paged_attention_kernel`` as ``paged_attention`` launches it for decode (specialized like a real
 launch: 16-byte aligned cache/query pointers and strides, metadata pointers unspecialized), disassembles it and
 prints, per variant, the instructions of its hottest loop by class, per KV tile and per code, its registers, shared
-memory and warps per SM, and the asynchronous-copy groups left in flight at the loop's wait (0: no load overlaps the
-program's own compute).
+memory and warps per SM, the asynchronous-copy groups left in flight at the loop's wait (0: no load overlaps the
+program's own compute) and the CTA barriers per tile (where a program's warps wait for each other).
 
-    python tools/device/sass_stats.py                      # both schemes, bf16 and fp16 queries, every code path
+    python tools/device/sass_stats.py                      # every decode launch of both schemes, bf16 and fp16
     python tools/device/sass_stats.py --json out.json      # also each loop's histogram of instructions (mnemonics)
 
 Counts are static: one pass through the first tile loop (in int4_kivi the tiles before a program's own block, keys
@@ -158,6 +158,12 @@ def copies_in_flight(loop: list[str]) -> int | None:
     return min(waits) if waits else None
 
 
+def cta_barriers(loop: list[str]) -> int:
+    """`BAR.SYNC` in one pass of the loop: every warp of the program waits for all the others there (a reduction
+    across warps, a layout change through shared memory, or the software pipeline's buffer hand-over)."""
+    return sum(1 for text in loop if _opcode(text) == "BAR")
+
+
 def classify(opcodes: Counter) -> dict[str, int]:
     table = {name: sum(n for op, n in opcodes.items() if op in members) for name, members in CLASSES.items()}
     table["other"] = sum(opcodes.values()) - sum(table.values())
@@ -169,16 +175,30 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_launch(text: str) -> attention.LaunchConfig:
-    """TILExWARPSxSTAGES, e.g. 64x4x3 (variants() adds the scheme's kept launch options)."""
-    tile, warps, stages = (int(part) for part in text.split("x"))
-    return attention.LaunchConfig(tile=tile, num_warps=warps, num_stages=stages)
+    """TILExWARPSxSTAGES, e.g. 64x4x3, with a trailing w for the warp-split loop, e.g. 128x4x5w (variants() adds
+    the scheme's kept launch options)."""
+    warp_split = text.endswith("w")
+    tile, warps, stages = (int(part) for part in text.removesuffix("w").split("x"))
+    return attention.LaunchConfig(tile=tile, num_warps=warps, num_stages=stages, warp_split=warp_split)
+
+
+def launch_label(launch: attention.LaunchConfig) -> str:
+    """TILExWARPSxSTAGES of a decode launch as the table names it, with " warp split" for that loop."""
+    tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
+    return f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
+
+
+def decode_launches(name: str) -> list[attention.LaunchConfig]:
+    """The decode launches the split rule chooses between for a scheme: DECODE_LAUNCH, WARP_SPLIT_LAUNCH if any."""
+    return [attention.DECODE_LAUNCH[name]] + ([attention.WARP_SPLIT_LAUNCH[name]]
+                                              if name in attention.WARP_SPLIT_LAUNCH else [])
 
 
 def variants(scheme_names: list[str], dtypes: list[str], launches: list[str]):
     for name in scheme_names:
         scheme = Int4Scheme(name)
         for base in ([replace(parse_launch(text), **attention.kept_launch_options(name)) for text in launches]
-                     or [attention.DECODE_LAUNCH[name]]):
+                     or decode_launches(name)):
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
                     yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)
@@ -202,23 +222,24 @@ def main(argv: list[str] | None = None) -> int:
         usage = resources(kernel.cubin)
         opcodes = Counter(_opcode(text) for text in loop)
         tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
-        label = f"{label} {tile}x{launch.num_warps}x{launch.num_stages}"
+        label = f"{label} {launch_label(launch)}"
         histograms[label] = dict(Counter(_mnemonic(text) for text in loop).most_common())
         codes_per_thread = 2 * tile * 128 / (32 * launch.num_warps)  # K and V codes of one tile, per thread
         occupancy = warps_per_sm(usage["REG"], kernel.shared_bytes, launch.num_warps)
         rows.append((label, classify(opcodes), codes_per_thread, usage, kernel.shared_bytes, occupancy,
-                     copies_in_flight(loop)))
+                     copies_in_flight(loop), cta_barriers(loop)))
 
     names = list(CLASSES) + ["other", "total"]
     # a thread's instructions per tile over its share of the tile's codes = issue slots per code, comparable
     # across tiles and warp counts
     print("| variant (tile x warps x stages) | " + " | ".join(names) + " | instructions per code "
-          "| registers | spill bytes | shared memory bytes | warps per SM | copy groups in flight at the wait |")
-    print("|---|" + "---|" * len(names) + "---|---|---|---|---|---|")
-    for label, table, codes, usage, shared_bytes, occupancy, in_flight in rows:
+          "| registers | spill bytes | shared memory bytes | warps per SM | copy groups in flight at the wait "
+          "| CTA barriers per tile |")
+    print("|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|")
+    for label, table, codes, usage, shared_bytes, occupancy, in_flight, barriers in rows:
         print(f"| {label} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} "
               f"| {usage['REG']} | {usage['LOCAL']} | {shared_bytes:,} | {occupancy} "
-              f"| {'no wait' if in_flight is None else in_flight} |")
+              f"| {'no wait' if in_flight is None else in_flight} | {barriers} |")
     if args.json:
         args.json.write_text(json.dumps(histograms, indent=1))
     return 0
