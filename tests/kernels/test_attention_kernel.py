@@ -63,6 +63,11 @@ def run_reference(batch, cache, scheme) -> torch.Tensor:
                                SOFTMAX_SCALE, scheme)
 
 
+def warp_split_launch(kernel_device):
+    """int4_saw's warp-split decode launch as the device runs it (inline PTX only where it is compiled)."""
+    return dataclasses.replace(WARP_SPLIT_LAUNCH["int4_saw"], ptx_unpack=kernel_device.type == "cuda")
+
+
 def assert_attention_close(out, expected, what: str) -> None:
     assert out.shape == expected.shape, f"{what}: output shape {tuple(out.shape)}"
     nan_rows = torch.isnan(out).flatten(1).any(1)
@@ -91,21 +96,25 @@ def test_mixed_prefill_and_decode_batch(gen, kernel_device, scheme_name, head_di
 
 
 @pytest.mark.parametrize(
-    "scheme_name, group, num_splits, head_dim",
+    "scheme_name, group, num_splits, head_dim, warp_split",
     [
-        ("saw128", 1, 16, 128), ("saw128", 4, None, 128), ("saw128", 7, 8, 128),
-        ("saw64-rotv", 4, 16, 128), ("saw32", 7, None, 128), ("saw128-rotv", 1, 8, 128),
-        ("saw64-rotv", 4, 16, 64), ("saw32", 1, 4, 64),
+        ("saw128", 1, 16, 128, False), ("saw128", 4, None, 128, False), ("saw128", 7, 8, 128, False),
+        ("saw64-rotv", 4, 16, 128, False), ("saw32", 7, None, 128, False), ("saw128-rotv", 1, 8, 128, False),
+        ("saw64-rotv", 4, 16, 64, False), ("saw32", 1, 4, 64, False),
+        ("saw128", 7, None, 128, True), ("saw128-rotv", 4, 8, 128, True), ("saw32", 1, 16, 128, True),
+        ("saw64-rotv", 4, 4, 64, True),
     ],
 )
 def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, scheme_name, group, num_splits,
-                                                       head_dim):
-    """max_query_len 1. num_splits None: no workspace (one pass); 4-16 splits (at 16, some empty)."""
+                                                       head_dim, warp_split):
+    """max_query_len 1. num_splits None: no workspace (one pass); 4-16 splits (at 16, some empty). warp_split: each
+    warp its own tokens and softmax state (LaunchConfig.warp_split), contexts at page edges and within a warp's
+    first tokens."""
     scheme = SCHEMES[scheme_name]
     num_q_heads, num_kv_heads = heads_for(group)
     batch = make_paged_batch(gen, DECODE, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
                              device=kernel_device, num_padding=1, head_dim=head_dim)
-    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
+    cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
     workspace = None
     if num_splits is not None:
@@ -113,9 +122,10 @@ def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, schem
                                             max_num_seqs=len(DECODE), num_splits=num_splits)
         workspace.part_acc.fill_(float("nan"))
         workspace.part_ml.fill_(float("nan"))
-    expected = run_reference(batch, cache, scheme)
-    assert_attention_close(run_kernel(batch, cache, scheme, workspace), expected,
-                           f"{scheme_name} GQA {group} num_splits {num_splits} head_dim {head_dim}")
+    launch = warp_split_launch(kernel_device) if warp_split else None
+    assert_attention_close(run_kernel(batch, cache, scheme, workspace, launch), run_reference(batch, cache, scheme),
+                           f"{scheme_name} GQA {group} num_splits {num_splits} head_dim {head_dim} warp split "
+                           f"{warp_split}")
 
 
 @pytest.mark.parametrize("head_dim", [128, 64])
@@ -183,47 +193,6 @@ def test_ptx_unpack_is_refused_by_the_interpreter():
                         torch.empty_like(q), launch=launch)
 
 
-def warp_split_launch(kernel_device):
-    """int4_saw's warp-split decode launch as the device runs it (inline PTX only where it is compiled)."""
-    return dataclasses.replace(WARP_SPLIT_LAUNCH["int4_saw"], ptx_unpack=kernel_device.type == "cuda")
-
-
-@pytest.mark.parametrize(
-    "scheme_name, group, num_splits, head_dim",
-    [("saw128", 7, None, 128), ("saw128-rotv", 4, 8, 128), ("saw32", 1, 16, 128), ("saw64-rotv", 4, 4, 64)],
-)
-def test_warp_split_decode_matches_the_reference(gen, kernel_device, scheme_name, group, num_splits, head_dim):
-    """Each warp its own tokens and softmax state (LaunchConfig.warp_split): one pass and 4-16 splits (some
-    empty), contexts at page edges and within a warp's first tokens, poisoned workspace."""
-    scheme = SCHEMES[scheme_name]
-    num_q_heads, num_kv_heads = heads_for(group)
-    batch = make_paged_batch(gen, DECODE, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
-                             device=kernel_device, num_padding=1, head_dim=head_dim)
-    cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    workspace = None
-    if num_splits is not None:
-        workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
-                                            max_num_seqs=len(DECODE), num_splits=num_splits)
-        workspace.part_acc.fill_(float("nan"))
-        workspace.part_ml.fill_(float("nan"))
-    out = run_kernel(batch, cache, scheme, workspace, warp_split_launch(kernel_device))
-    assert_attention_close(out, run_reference(batch, cache, scheme),
-                           f"{scheme_name} GQA {group} num_splits {num_splits} head_dim {head_dim}, warp split")
-
-
-def test_warp_split_and_tile_loops_agree(gen, kernel_device):
-    """The two decode loops differ only in the order of the softmax sums: far closer than either is to fp32."""
-    scheme = SCHEMES["saw128"]
-    batch = make_paged_batch(gen, DECODE, 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
-    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
-    store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, num_splits=4)
-    tiles = run_kernel(batch, cache, scheme, workspace)
-    warps = run_kernel(batch, cache, scheme, workspace, warp_split_launch(kernel_device))
-    torch.testing.assert_close(warps, tiles, rtol=5e-3, atol=5e-3)
-
-
 def test_split_rule_picks_the_warp_split_launch(gen, kernel_device, monkeypatch):
     """A batch size the split table marks for the warp split runs WARP_SPLIT_LAUNCH with the default launch (the
     same output, bit for bit, as asking for it), and the tile loop elsewhere."""
@@ -265,16 +234,18 @@ def test_warp_split_is_refused_where_it_does_not_apply(gen, kernel_device):
                         sequence_slots=torch.zeros(1, dtype=torch.int32, device=kernel_device))
 
 
-def test_decode_with_and_without_workspace_agree(gen, kernel_device):
-    """Split-KV only reorders the softmax sums: both paths agree far tighter than either does with fp32."""
+@pytest.mark.parametrize("warp_split", [False, True], ids=["split-kv", "warp-split"])
+def test_decode_paths_agree_with_the_one_pass_tile_loop(gen, kernel_device, warp_split):
+    """Split-KV and the warp-split loop only reorder the softmax sums: each agrees with the one-pass tile loop far
+    tighter than either does with fp32."""
     scheme = SCHEMES["saw128"]
     batch = make_paged_batch(gen, DECODE, 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, num_splits=16)
+    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, num_splits=4 if warp_split else 16)
     one_pass = run_kernel(batch, cache, scheme)
-    split = run_kernel(batch, cache, scheme, workspace)
-    torch.testing.assert_close(split, one_pass, rtol=5e-3, atol=5e-3)
+    other = run_kernel(batch, cache, scheme, workspace, warp_split_launch(kernel_device) if warp_split else None)
+    torch.testing.assert_close(other, one_pass, rtol=5e-3, atol=5e-3)
 
 
 def test_shuffled_block_table_changes_nothing_but_the_page_order(gen, kernel_device):
