@@ -10,8 +10,9 @@ batches 1/32/128/256, for:
   vllm_int4  vLLM 0.26.0's int4_per_token_head path (block 16): unified_attention_int4, RHT of q/out included,
              3D split-KV up to 32 sequences like its TRITON_ATTN backend
   s4kv_kivi, s4kv_saw   s4kv.kernels.attention.paged_attention (block 128) at the launch it picks itself
-             (DECODE_LAUNCH, what the backend runs)
-  s4kv_*_biased, s4kv_*_sub, s4kv_*_ptx, s4kv_*_sub_ptx   the same launch with each code path forced
+             (DECODE_LAUNCH, or int4_saw's WARP_SPLIT_LAUNCH where DECODE_SPLITS picks it: what the backend runs)
+  s4kv_*_biased, s4kv_*_sub, s4kv_*_ptx, s4kv_*_sub_ptx   DECODE_LAUNCH (the tile loop, at every batch size) with
+             each code path forced
              (attention.CODE_PATHS: codes biased or as fp16 subnormal MMA operands, unpacked by Triton ops or by
              inline PTX)
   s4kv_saw_rotv   int4_saw with its rotate_values option (values rotated like keys, as vLLM's int4 does), at the
