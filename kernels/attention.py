@@ -85,6 +85,12 @@ WARP_SPLIT_LAUNCH = {"int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=
                                               ptx_unpack=True, paired_param_loads=True, warp_split=True)}
 
 
+def decode_launches(scheme_name: str) -> list[LaunchConfig]:
+    """The decode launches DECODE_SPLITS chooses between for a scheme: DECODE_LAUNCH, then WARP_SPLIT_LAUNCH if any."""
+    return [DECODE_LAUNCH[scheme_name]] + ([WARP_SPLIT_LAUNCH[scheme_name]] if scheme_name in WARP_SPLIT_LAUNCH
+                                           else [])
+
+
 def kept_launch_options(scheme_name: str) -> dict:
     """The DECODE_LAUNCH fields of a scheme that launch sweeps keep while they vary the tile, warps, stages and code
     path: how the kernel loads the parameters, and the register cap measured with that."""

@@ -23,10 +23,10 @@ def rows(times_by_case, shape="qwen2.5-7b", batch=32, warp_split=False):
 
 
 def test_each_scheme_sweeps_its_decode_launches():
-    from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH
+    from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH, decode_launches
 
-    assert sweep_splits.scheme_launches("int4_kivi") == [DECODE_LAUNCH["int4_kivi"]]
-    assert sweep_splits.scheme_launches("int4_saw") == [DECODE_LAUNCH["int4_saw"], WARP_SPLIT_LAUNCH["int4_saw"]]
+    assert decode_launches("int4_kivi") == [DECODE_LAUNCH["int4_kivi"]]
+    assert decode_launches("int4_saw") == [DECODE_LAUNCH["int4_saw"], WARP_SPLIT_LAUNCH["int4_saw"]]
 
 
 def test_choose_weighs_the_warp_split_launch_as_one_more_candidate():

@@ -188,17 +188,11 @@ def launch_label(launch: attention.LaunchConfig) -> str:
     return f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
 
 
-def decode_launches(name: str) -> list[attention.LaunchConfig]:
-    """The decode launches the split rule chooses between for a scheme: DECODE_LAUNCH, WARP_SPLIT_LAUNCH if any."""
-    return [attention.DECODE_LAUNCH[name]] + ([attention.WARP_SPLIT_LAUNCH[name]]
-                                              if name in attention.WARP_SPLIT_LAUNCH else [])
-
-
 def variants(scheme_names: list[str], dtypes: list[str], launches: list[str]):
     for name in scheme_names:
         scheme = Int4Scheme(name)
         for base in ([replace(parse_launch(text), **attention.kept_launch_options(name)) for text in launches]
-                     or decode_launches(name)):
+                     or attention.decode_launches(name)):
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
                     yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)

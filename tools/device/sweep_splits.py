@@ -44,14 +44,6 @@ MAX_PROGRAMS_PER_SM = 64
 SPLIT_MAX_REL_DIFF = 0.1
 
 
-def scheme_launches(scheme_name: str) -> list:
-    """The decode launches a scheme's split rule chooses between: DECODE_LAUNCH, then WARP_SPLIT_LAUNCH if any."""
-    from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH
-
-    return [DECODE_LAUNCH[scheme_name]] + ([WARP_SPLIT_LAUNCH[scheme_name]] if scheme_name in WARP_SPLIT_LAUNCH
-                                           else [])
-
-
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
     """Powers of two up to MAX_SPLITS whose grid holds between num_sms / 4 and MAX_PROGRAMS_PER_SM * num_sms
     programs (1 when even one split is above that). Splits past a short context are empty programs, which the
@@ -202,6 +194,8 @@ def sweep(shapes, batches, contexts, budget_s: float, out: Path) -> list[dict]:
 
 
 def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls, scheme_cls) -> list[dict]:
+    from s4kv.kernels.attention import decode_launches
+
     num_q_heads, num_kv_heads = bk.SHAPES[shape]
     query = torch.randn(batch, num_q_heads, bk.HEAD_DIM, dtype=kv_pool.dtype, device=kv_pool.device)
     problem = bk.DecodeProblem(batch, context, query, kv_pool)
@@ -232,7 +226,7 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
                                       max_num_seqs=batch)
         committed = candidate_name(rule.num_splits(batch), rule.warp_split_for(batch))
         first = None  # the first candidate's output: every other one must match it
-        for launch in scheme_launches(scheme_name):
+        for launch in decode_launches(scheme_name):
             for splits in split_candidates(batch, num_kv_heads, num_sms):
                 workspace = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, kv_pool.device,
                                                    max_num_seqs=batch, num_splits=splits)
