@@ -70,14 +70,15 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
               "subnormal+ptx": {"subnormal_codes": True, "ptx_unpack": True}}
 
 # measured on the H200 (docs/performance.md, levers and tuning log): each scheme's fastest code path at batch 32-256,
-# launch shape from tools/device/tune_attention.py, split counts in DECODE_SPLITS. Stages: Triton's pipeliner gives
-# each load a prefetch distance of (num_stages - 1) // (indirection levels + 1), and the page index read from the
-# block table is one level. At 3 stages the distance is 1, and the loop waits for every copy it issued before each
-# tile's compute (`DEPBAR.LE SB0, 0x0`, tools/device/sass_stats.py): no load overlaps the program's own compute. At
-# 5 the next tile's copies stay in flight; 7 change nothing more.
+# launch shape from tools/device/tune_attention.py and the split sweep (int4_saw's 128-token tile: faster than 64 at
+# batch 1-8 and at most points of 32-256), split counts in DECODE_SPLITS. Stages: Triton's pipeliner gives each load
+# a prefetch distance of (num_stages - 1) // (indirection levels + 1), and the page index read from the block table
+# is one level. At 3 stages the distance is 1, and the loop waits for every copy it issued before each tile's compute
+# (`DEPBAR.LE SB0, 0x0`, tools/device/sass_stats.py): no load overlaps the program's own compute. At 5 the next
+# tile's copies stay in flight; 7 change nothing more.
 DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
                                            paired_param_loads=True, max_registers=168),
-                 "int4_saw": LaunchConfig(tile=64, num_warps=4, num_stages=5, subnormal_codes=False, ptx_unpack=True,
+                 "int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=False, ptx_unpack=True,
                                           paired_param_loads=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
 # the decode launch of the batch sizes DECODE_SPLITS marks for the warp-split loop (LaunchConfig.warp_split)
@@ -415,10 +416,15 @@ def _paged_attention_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     local_block = q_block - (q_start // BLOCK_Q + seq)
-    if local_block * BLOCK_Q < q_len:
-        seq_len = tl.load(seq_lens_ptr + seq)
-        context = seq_len - q_len
-
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+    kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    first_tile = split * tiles_per_split
+    # a split past the context does nothing, not even load q: the merge reads the live splits only (_live_splits),
+    # so one split count serves short contexts and long ones
+    if (local_block * BLOCK_Q < q_len) & (first_tile < num_tiles):
         rows = tl.arange(0, BLOCK_M)
         q_tok = local_block * BLOCK_Q + rows // GROUP
         head = kv_head * GROUP + rows % GROUP
@@ -447,10 +453,6 @@ def _paged_attention_kernel(
             slot = tl.load(sequence_slots_ptr + seq)
             pool_page = slot.to(tl.int64) * pool_stride_slot + kv_head * pool_stride_head
 
-        kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
-        num_tiles = tl.cdiv(kv_end, TILE)
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        first_tile = split * tiles_per_split
         last_tile = tl.minimum(num_tiles, first_tile + tiles_per_split)
 
         if WARP_SPLIT:
@@ -491,7 +493,7 @@ def _paged_attention_kernel(
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * CODE_SCALE + acc_min[:, None]
 
-        # normalized output of this program (0 where it saw no key: an empty split)
+        # normalized output of this program (0 where it saw no key)
         inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None]
         o_lo = acc_lo * inv_l
         o_hi = acc_hi * inv_l
@@ -512,24 +514,33 @@ def _paged_attention_kernel(
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_live)
 
 
-@triton.jit(do_not_specialize_on_alignment=["query_start_loc_ptr"])  # see _paged_attention_kernel
+@triton.jit
+def _live_splits(seq_len, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """How many of a decode row's NUM_SPLITS splits hold a tile: _paged_attention_kernel gives each split
+    cdiv(tiles, NUM_SPLITS) tiles, so a short context leaves the last splits empty (and unwritten)."""
+    num_tiles = tl.cdiv(seq_len, TILE)
+    return tl.cdiv(num_tiles, tl.cdiv(num_tiles, NUM_SPLITS))
+
+
+@triton.jit(do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr"])  # see _paged_attention_kernel
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, out_stride_t, out_stride_h,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr, out_stride_t, out_stride_h,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) > q_start:
         split = tl.arange(0, NUM_SPLITS)
+        live = split < _live_splits(tl.load(seq_lens_ptr + seq), TILE, NUM_SPLITS)
         part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + split
-        m = tl.load(part_ml_ptr + part * 2)
-        l = tl.load(part_ml_ptr + part * 2 + 1)
+        m = tl.load(part_ml_ptr + part * 2, mask=live, other=float("-inf"))
+        l = tl.load(part_ml_ptr + part * 2 + 1, mask=live, other=0.0)
         m_max = tl.max(m, 0)
         # each partial is normalized by its own denominator l: weight it by l * exp(m - m_max)
         weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max) * l)
         ch = tl.arange(0, HEAD_DIM)
-        partial = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + ch[None, :])
+        partial = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + ch[None, :], mask=live[:, None], other=0.0)
         partial = tl.where(weight[:, None] > 0, partial, 0.0)
         out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
         tl.store(out_ptr + q_start.to(tl.int64) * out_stride_t + head * out_stride_h + ch,
@@ -542,10 +553,10 @@ def _merge_splits_kernel(
 # so every CUDA graph (captured per batch size) keeps its grid. Measured on the H200 at each scheme's launches
 # (tools/device/sweep_splits.py; `--apply` writes this table).
 DECODE_SPLITS = {
-    "int4_kivi": ((0.043, 128, False), (0.343, 32, False), (0.686, 16, False), (1.371, 8, False), (2.743, 4, False),
-                  (math.inf, 2, False)),
-    "int4_saw": ((0.043, 128, False), (0.121, 64, False), (0.343, 16, False), (0.686, 8, False), (1.371, 4, False),
-                 (5.485, 2, True), (math.inf, 1, True)),
+    "int4_kivi": ((0.043, 64, False), (0.343, 32, False), (0.686, 16, False), (1.371, 8, False), (5.485, 2, False),
+                  (math.inf, 1, False)),
+    "int4_saw": ((0.043, 64, False), (0.121, 32, False), (0.343, 16, False), (0.686, 8, False), (1.371, 4, False),
+                 (2.743, 2, False), (math.inf, 1, False)),
 }
 
 
@@ -715,7 +726,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
-            out, workspace.part_acc, workspace.part_ml, query_start_loc, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+            out, workspace.part_acc, workspace.part_ml, query_start_loc, seq_lens, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, TILE=tile,
         )
 

@@ -58,8 +58,8 @@ def saw_loops(saw_stats):
 def test_every_code_path_runs_the_same_tensor_core_work(saw_loops):
     assert set(saw_loops) == {"biased", "subnormal", "biased+ptx", "subnormal+ptx"}
     mma = {path: sum(n for name, n in h.items() if name.startswith("HMMA")) for path, h in saw_loops.items()}
-    # 64-token tile, 4 warps: per warp 16 tokens x 128 channels for Q K^T and 64 tokens x 32 channels for P @ V
-    assert set(mma.values()) == {32}, mma
+    # 128-token tile, 4 warps: per warp 32 tokens x 128 channels for Q K^T and 128 tokens x 32 channels for P @ V
+    assert set(mma.values()) == {64}, mma
 
 
 def test_no_byte_gathers_from_shared_memory(saw_loops):

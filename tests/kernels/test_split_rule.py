@@ -10,7 +10,9 @@ import torch
 from kv_batches import relative_error
 from own_block_oracle import batch_rule_attention, stored_step
 
-from s4kv.kernels.attention import DECODE_SPLITS, WARP_SPLIT_LAUNCH, SplitWorkspace, decode_plan, paged_attention
+from s4kv.kernels.attention import (DECODE_LAUNCH, DECODE_SPLITS, WARP_SPLIT_LAUNCH, SplitWorkspace, decode_plan,
+                                    paged_attention)
+from s4kv.kernels.layout import tile_tokens
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import SCHEMES
 
@@ -106,3 +108,11 @@ def test_kernel_matches_the_reference_at_the_counts_the_h200_table_picks(gen, ke
     expected = batch_rule_attention(batch, 128**-0.5, scheme)
     assert not torch.isnan(out).any(), f"{scheme_name}, {splits} splits: unwritten output"
     assert relative_error(out.cpu(), expected) < 1e-2, f"{scheme_name}, {splits} splits"
+    # the splits past a context (cdiv(tiles, splits) tiles each) write nothing; every live one writes
+    launch = (WARP_SPLIT_LAUNCH if ws.warp_split_for(num_seqs) else DECODE_LAUNCH)[scheme_name]
+    partials = ws.part_ml[: num_seqs * num_q_heads * splits].view(num_seqs, num_q_heads, splits, 2).cpu()
+    for seq, seq_len in enumerate(batch.seq_lens.tolist()):
+        tiles = math.ceil(seq_len / tile_tokens(128, launch.tile))
+        live = math.ceil(tiles / math.ceil(tiles / splits))
+        assert not partials[seq, :, :live].isnan().any(), f"{scheme_name}, sequence {seq}: a live split unwritten"
+        assert partials[seq, :, live:].isnan().all(), f"{scheme_name}, sequence {seq}: a split past the context ran"

@@ -46,8 +46,8 @@ SPLIT_MAX_REL_DIFF = 0.1
 
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
     """Powers of two up to MAX_SPLITS whose grid holds between num_sms / 4 and MAX_PROGRAMS_PER_SM * num_sms
-    programs (1 when even one split is above that). Splits past a short context are empty programs, which the
-    merge weighs 0: one count must serve every context of a batch size."""
+    programs (1 when even one split is above that). Splits past a short context exit at once and the merge reads
+    only the live ones: one count must serve every context of a batch size."""
     counts = [1 << i for i in range(int(math.log2(MAX_SPLITS)) + 1)]
     programs = batch * num_kv_heads
     fits = [s for s in counts if programs * s <= MAX_PROGRAMS_PER_SM * num_sms]
