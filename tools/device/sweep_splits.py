@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Split-KV sweep of the decode attention kernel: every split count per (shape, scheme, batch, context).
 
-    python -m tools.device.sweep_splits --out DIR       # H200: about four minutes; DIR/sweep_splits.{json,md}
+    python -m tools.device.sweep_splits --out DIR       # H200: about five minutes; DIR/sweep_splits.{json,md}
 
 For each attention shape (bench_kernels.SHAPES), batch and context, FA3 on bf16 and on fp8 run first where vLLM
 is importable (the times to compare with), then each scheme's cache is filled once by our store kernel and read at
@@ -35,7 +35,7 @@ from tools.device import bench_kernels as bk
 
 SCHEMES = ("int4_kivi", "int4_saw")
 DEFAULT_BATCHES = "256,32,1,128,64,8"
-DEFAULT_CONTEXTS = "4096,16384,32768"
+DEFAULT_CONTEXTS = "1024,4096,16384,32768"
 MAX_SPLITS = 128
 MAX_PROGRAMS_PER_SM = 64
 # Split counts change only the order of the sums, but on random data the output is a near-cancelling mean (|out| ~
