@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tools.device import sweep_splits
 
@@ -104,3 +106,31 @@ def test_render_marks_the_fastest_count():
     measured[0]["committed_splits"] = "w4"
     table = sweep_splits.render(measured)
     assert "4:100 8:90 w4:85* | w4 |" in table
+
+
+def test_committed_rows_keep_fa3_and_the_rules_candidate_per_scheme(tmp_path):
+    from s4kv.kernels.attention import DECODE_SPLITS, decode_plan
+    from tools.device import plot_kernels
+
+    measured = []
+    for batch in (1, 32, 256):
+        for scheme in sweep_splits.SCHEMES:
+            for warp_split in (False, True):
+                by_split = {s: 10.0 * s + warp_split for s in (1, 2, 4, 8, 16, 32, 64)}
+                measured += rows({(scheme, 4096): by_split}, batch=batch, warp_split=warp_split)
+        measured.append(dict(shape="qwen2.5-7b", batch=batch, context=4096, method="fa3_bf16", splits=None,
+                             us=80.0, gbps=1000.0, num_sms=132))
+    for r in measured:
+        r.setdefault("gbps", 500.0)
+    measured.append(dict(measured[-1], method="fa3_fp8", us=None, error="boom"))  # a failed row is left out
+    picked = sweep_splits.committed_rows(measured)
+    assert [r["method"] for r in picked].count("fa3_bf16") == 3 and "fa3_fp8" not in {r["method"] for r in picked}
+    for batch in (1, 32, 256):
+        for scheme in sweep_splits.SCHEMES:
+            (row,) = [r for r in picked if r["method"] == scheme and r["batch"] == batch]
+            splits, warp_split = decode_plan(batch, 4, 132, DECODE_SPLITS[scheme])
+            assert row["ms"] == pytest.approx((10.0 * splits + warp_split) / 1e3)
+    source = tmp_path / "sweep_splits.json"
+    source.write_text(json.dumps(measured))
+    assert plot_kernels.main([str(source), "--sweep", "--out", str(tmp_path / "decode.png")]) == 0
+    assert (tmp_path / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,8 +1,12 @@
 """Plot tools/device/bench_kernels.py's decode results: speed against FA3 and achieved bandwidth, per shape and method.
 
     python tools/device/plot_kernels.py docs/archive/2026-11-30-h200-s2/call1_kernels.json --out kernels.svg
+    python -m tools.device.plot_kernels --sweep docs/archive/2026-12-04-h200-s2/3_sweep_splits.json --out decode.svg
 
-Left: FA3's time / the method's time (above 1 = faster than bf16 FlashAttention-3). Right: bytes that must
+With --sweep, the input is a split sweep (tools/device/sweep_splits.py) and each scheme is plotted at the candidate
+the committed DECODE_SPLITS picks per case.
+
+Top: FA3's time / the method's time (above 1 = faster than bf16 FlashAttention-3). Bottom: bytes that must
 move / time, against the device-to-device copy ceiling measured in the same run. Shapes are batch x context.
 """
 
@@ -45,7 +49,8 @@ def plot(results: dict, out: Path, title: str) -> None:
     labels, speed, gbps = decode_series(results)
     methods = list(speed)
     width = 0.8 / len(methods)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.8))
+    # one panel above the other, as wide as the shapes need (a split sweep has 48)
+    fig, (left, right) = plt.subplots(2, 1, figsize=(max(10.0, 0.3 * len(labels)), 9))
     for i, method in enumerate(methods):
         xs = [x + (i - (len(methods) - 1) / 2) * width for x in range(len(labels))]
         for axis, values in ((left, speed[method]), (right, gbps[method])):
@@ -69,12 +74,21 @@ def plot(results: dict, out: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="kernels.json from tools/device/bench_kernels.py")
+    parser.add_argument("--sweep", action="store_true",
+                        help="results is sweep_splits.json: plot each scheme at the committed rule's candidate")
     parser.add_argument("--out", type=Path, required=True, help="image to write (.svg or .png)")
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
-    meta = results.get("meta", {})
-    when = meta.get("date", "")[:16].replace("T", " ")
-    plot(results, args.out, f"Decode attention per layer, {meta.get('gpu', 'GPU')}" + (f", {when} UTC" if when else ""))
+    if args.sweep:
+        from tools.device.sweep_splits import committed_rows
+
+        results = {"decode": committed_rows(results)}
+        title = f"Decode attention per layer at the committed split rule ({args.results.name})"
+    else:
+        meta = results.get("meta", {})
+        when = meta.get("date", "")[:16].replace("T", " ")
+        title = f"Decode attention per layer, {meta.get('gpu', 'GPU')}" + (f", {when} UTC" if when else "")
+    plot(results, args.out, title)
     print(f"[plot_kernels] wrote {args.out}")
     return 0
 

@@ -133,6 +133,24 @@ def apply_split_tables(source: str, tables: dict[str, tuple]) -> str:
     return DECODE_SPLITS_BLOCK.sub(lambda _: tables_source(tables), source)
 
 
+def committed_rows(rows: list[dict]) -> list[dict]:
+    """A sweep's measured FA3 rows and, per scheme and case, the candidate kernels/attention.py's DECODE_SPLITS picks
+    (what the backend runs), as bench_kernels' decode rows (method, ms, gbps), for plot_kernels."""
+    from s4kv.kernels.attention import DECODE_SPLITS, decode_plan
+
+    picked = []
+    for r in rows:
+        if r.get("us") is None:
+            continue
+        if r["method"] in SCHEMES:
+            plan = decode_plan(r["batch"], bk.SHAPES[r["shape"]][1], r["num_sms"], DECODE_SPLITS[r["method"]])
+            if (r["splits"], r.get("warp_split", False)) != plan:
+                continue
+        picked.append({"shape": r["shape"], "batch": r["batch"], "context": r["context"], "method": r["method"],
+                       "ms": r["us"] / 1e3, "gbps": r["gbps"]})
+    return picked
+
+
 def candidate_name(splits: int, warp_split: bool) -> str:
     return f"{'w' if warp_split else ''}{splits}"
 
