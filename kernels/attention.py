@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -407,7 +408,7 @@ def _paged_attention_kernel(
     ROTATE_V: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
-    PAIRED_PARAMS: tl.constexpr, WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr,
+    PAIRED_PARAMS: tl.constexpr, WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -420,10 +421,10 @@ def _paged_attention_kernel(
     context = seq_len - q_len
     kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = _tiles_per_split(num_tiles, NUM_SPLITS, MIN_SPLIT_TILES)
     first_tile = split * tiles_per_split
     # a split past the context does nothing, not even load q: the merge reads the live splits only (_live_splits),
-    # so one split count serves short contexts and long ones
+    # so one grid serves short contexts and long ones
     if (local_block * BLOCK_Q < q_len) & (first_tile < num_tiles):
         rows = tl.arange(0, BLOCK_M)
         q_tok = local_block * BLOCK_Q + rows // GROUP
@@ -515,24 +516,30 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _live_splits(seq_len, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """How many of a decode row's NUM_SPLITS splits hold a tile: _paged_attention_kernel gives each split
-    cdiv(tiles, NUM_SPLITS) tiles, so a short context leaves the last splits empty (and unwritten)."""
+def _tiles_per_split(num_tiles, NUM_SPLITS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
+    """Tiles of a sequence per split: an even share of NUM_SPLITS, but at least MIN_SPLIT_TILES (DecodePlan)."""
+    return tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_SPLIT_TILES)
+
+
+@triton.jit
+def _live_splits(seq_len, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
+    """How many of a decode row's NUM_SPLITS splits hold a tile (_tiles_per_split each): a short context leaves the
+    last splits empty (and unwritten)."""
     num_tiles = tl.cdiv(seq_len, TILE)
-    return tl.cdiv(num_tiles, tl.cdiv(num_tiles, NUM_SPLITS))
+    return tl.cdiv(num_tiles, _tiles_per_split(num_tiles, NUM_SPLITS, MIN_SPLIT_TILES))
 
 
 @triton.jit(do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr"])  # see _paged_attention_kernel
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr, out_stride_t, out_stride_h,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) > q_start:
         split = tl.arange(0, NUM_SPLITS)
-        live = split < _live_splits(tl.load(seq_lens_ptr + seq), TILE, NUM_SPLITS)
+        live = split < _live_splits(tl.load(seq_lens_ptr + seq), TILE, NUM_SPLITS, MIN_SPLIT_TILES)
         part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + split
         m = tl.load(part_ml_ptr + part * 2, mask=live, other=float("-inf"))
         l = tl.load(part_ml_ptr + part * 2 + 1, mask=live, other=0.0)
@@ -547,47 +554,55 @@ def _merge_splits_kernel(
                  out.to(out_ptr.dtype.element_ty))
 
 
-# Split-KV decode: how many splits a batch gets, per scheme, by the KV-head programs per SM it gives unsplit
-# (num_seqs * num_kv_heads / SMs): (up to this many per SM, splits, warp split), first match; warp split True: the
-# batch runs WARP_SPLIT_LAUNCH instead of DECODE_LAUNCH. A function of the batch size only, for a model and device,
-# so every CUDA graph (captured per batch size) keeps its grid. Measured on the H200 at each scheme's launches
-# (tools/device/sweep_splits.py; `--apply` writes this table).
+class DecodePlan(NamedTuple):
+    """How a decode batch runs. ``splits``: the split count (the grid's third axis); ``warp_split``: the scheme's
+    WARP_SPLIT_LAUNCH instead of DECODE_LAUNCH; ``min_split_tiles``: the fewest tiles a split takes, so a context of
+    fewer than splits x min_split_tiles tiles fills fewer splits (the rest exit at once): the split count a sequence
+    gets follows its context inside the batch's fixed grid."""
+
+    splits: int
+    warp_split: bool = False
+    min_split_tiles: int = 1
+
+
+# Split-KV decode per scheme, by the KV-head programs per SM a batch gives unsplit (num_seqs * num_kv_heads / SMs):
+# (up to this many per SM, splits, warp split, min split tiles) (DecodePlan's fields), first match. A function of the
+# batch size only, for a model and device, so every CUDA graph (captured per batch size) keeps its grid. Measured on
+# the H200 at each scheme's launches (tools/device/sweep_splits.py; `--apply` writes this table).
 DECODE_SPLITS = {
-    "int4_kivi": ((0.043, 64, False), (0.343, 32, False), (0.686, 16, False), (1.371, 8, False), (5.485, 2, False),
-                  (math.inf, 1, False)),
-    "int4_saw": ((0.043, 64, False), (0.121, 32, False), (0.343, 16, False), (0.686, 8, False), (1.371, 4, False),
-                 (2.743, 2, False), (math.inf, 1, False)),
+    "int4_kivi": ((0.043, 64, False, 1), (0.343, 32, False, 1), (0.686, 16, False, 1), (1.371, 8, False, 1),
+                  (5.485, 2, False, 1), (math.inf, 1, False, 1)),
+    "int4_saw": ((0.043, 64, False, 1), (0.121, 32, False, 1), (0.343, 16, False, 1), (0.686, 8, False, 1),
+                 (1.371, 4, False, 1), (2.743, 2, False, 1), (math.inf, 1, False, 1)),
 }
 
 
-def decode_plan(num_seqs: int, num_kv_heads: int, num_sms: int, table) -> tuple[int, bool]:
-    """(split count, warp split) of a decode batch of ``num_seqs`` sequences by ``table`` (a DECODE_SPLITS entry)."""
+def decode_plan(num_seqs: int, num_kv_heads: int, num_sms: int, table) -> DecodePlan:
+    """The DecodePlan of a decode batch of ``num_seqs`` sequences by ``table`` (a DECODE_SPLITS entry)."""
     per_sm = num_seqs * num_kv_heads / num_sms
-    return next((splits, warp_split) for bound, splits, warp_split in table if per_sm <= bound)
+    return next(DecodePlan(*entry[1:]) for entry in table if per_sm <= entry[0])
 
 
 @dataclass
 class SplitWorkspace:
     """Partial-softmax buffers for split-KV decode, allocated once (before CUDA-graph capture).
 
-    ``splits[n]`` is the split count of a decode batch of n sequences, for n up to ``max_num_seqs`` (vLLM's
-    max_num_seqs: no batch is larger), and ``warp_split[n]`` whether it runs the scheme's WARP_SPLIT_LAUNCH; the
-    buffers hold the largest ``n * splits[n]``, so every batch fits.
+    ``plans[n]`` is the DecodePlan of a decode batch of n sequences, for n up to ``max_num_seqs`` (vLLM's
+    max_num_seqs: no batch is larger); the buffers hold the largest ``n * plans[n].splits``, so every batch fits.
     """
 
     part_acc: torch.Tensor  # [rows, head_dim] fp32, each split's output normalized by its own softmax denominator
     part_ml: torch.Tensor  # [rows, 2] fp32 (running max in log2 units, softmax denominator)
     num_q_heads: int
     num_kv_heads: int
-    splits: tuple[int, ...]
-    warp_split: tuple[bool, ...]
+    plans: tuple[DecodePlan, ...]
 
     @classmethod
     def allocate(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, device, scheme_name: str | None = None,
                  max_num_seqs: int = 256, num_splits: int | None = None,
                  num_sms: int | None = None) -> "SplitWorkspace":
-        """Splits and the warp-split choice by DECODE_SPLITS[scheme_name] for the device's SMs (``num_sms``: 8 off
-        the GPU), or ``num_splits`` (a power of two) for every batch size, none of them warp split."""
+        """Plans by DECODE_SPLITS[scheme_name] for the device's SMs (``num_sms``: 8 off the GPU), or ``num_splits`` (a
+        power of two) for every batch size, on the tile loop with every split live."""
         check_head_dim(head_dim)
         if (num_splits is None) == (scheme_name is None):
             raise ValueError("give the scheme whose DECODE_SPLITS rule sizes the workspace, or a fixed num_splits")
@@ -600,34 +615,25 @@ class SplitWorkspace:
         device = torch.device(device)
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        plans = [(num_splits, False) if num_splits else
-                 decode_plan(n, num_kv_heads, num_sms, DECODE_SPLITS[scheme_name]) if n else (1, False)
-                 for n in range(max_num_seqs + 1)]
-        splits = tuple(splits for splits, _ in plans)
-        rows = max(n * s for n, s in enumerate(splits)) * num_q_heads
+        plans = tuple(DecodePlan(num_splits) if num_splits else
+                      decode_plan(n, num_kv_heads, num_sms, DECODE_SPLITS[scheme_name]) if n else DecodePlan(1)
+                      for n in range(max_num_seqs + 1))
+        rows = max(n * plan.splits for n, plan in enumerate(plans)) * num_q_heads
         return cls(
             part_acc=torch.empty(rows, head_dim, dtype=torch.float32, device=device),
             part_ml=torch.empty(rows, 2, dtype=torch.float32, device=device),
-            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, splits=splits,
-            warp_split=tuple(warp_split for _, warp_split in plans),
+            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, plans=plans,
         )
 
     @property
     def max_num_seqs(self) -> int:
-        return len(self.splits) - 1
+        return len(self.plans) - 1
 
-    def num_splits(self, num_seqs: int) -> int:
-        self._check_batch(num_seqs)
-        return self.splits[num_seqs]
-
-    def warp_split_for(self, num_seqs: int) -> bool:
-        self._check_batch(num_seqs)
-        return self.warp_split[num_seqs]
-
-    def _check_batch(self, num_seqs: int) -> None:
+    def plan(self, num_seqs: int) -> DecodePlan:
         if num_seqs > self.max_num_seqs:
             raise ValueError(f"decode batch of {num_seqs} sequences, but the split workspace was allocated for "
                              f"max_num_seqs {self.max_num_seqs}")
+        return self.plans[num_seqs]
 
 
 def _code_format(dtype: torch.dtype, subnormal: bool) -> dict:
@@ -679,7 +685,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         if launch is None:
             # the warp-split launch where the split rule picks it and the page holds its whole tile
             warp_launch = WARP_SPLIT_LAUNCH.get(scheme.name)
-            use_warps = (workspace is not None and workspace.warp_split_for(num_seqs) and warp_launch is not None
+            use_warps = (workspace is not None and workspace.plan(num_seqs).warp_split and warp_launch is not None
                          and tile_tokens(block_size, warp_launch.tile) == warp_launch.tile)
             launch = warp_launch if use_warps else DECODE_LAUNCH[scheme.name]
         block_q = 1
@@ -704,7 +710,8 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         launch = replace(launch, ptx_unpack=False)
     # the interpreter compiles nothing: a register cap is for ptxas only
     compiler_options = {} if launch.max_registers is None or interpreted else {"maxnreg": launch.max_registers}
-    num_splits = workspace.num_splits(num_seqs) if (decode and workspace is not None) else 1
+    plan = workspace.plan(num_seqs) if (decode and workspace is not None) else DecodePlan(1)
+    num_splits = plan.splits
     if num_splits > 1 and (workspace.num_q_heads != num_q_heads or workspace.part_acc.shape[1] != head_dim):
         raise ValueError("workspace was allocated for another number of query heads or another head_dim")
     dummy = out if num_splits == 1 else None
@@ -721,12 +728,13 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
         PAIRED_PARAMS=launch.paired_param_loads, WARP_SPLIT=launch.warp_split, WARPS=launch.num_warps,
+        MIN_SPLIT_TILES=plan.min_split_tiles,
         **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **compiler_options,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, workspace.part_acc, workspace.part_ml, query_start_loc, seq_lens, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, TILE=tile,
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, TILE=tile, MIN_SPLIT_TILES=plan.min_split_tiles,
         )
 

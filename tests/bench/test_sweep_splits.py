@@ -47,9 +47,11 @@ def test_choose_minimizes_the_worst_slowdown_over_contexts_per_scheme():
     measured.append(dict(shape="qwen2.5-7b", batch=32, context=4096, method="fa3_bf16", splits=None, us=80.0))
     chosen = sweep_splits.choose_splits(measured)
     kivi = chosen["int4_kivi"][32 * 4]  # keyed by KV-head programs: batch x 4 KV heads
-    # 8: worst 500/450 = 1.11x; 32: 150/90 = 1.67x; 4: 600/450 = 1.33x
-    assert (kivi["splits"], kivi["warp_split"]) == (8, False)
-    assert abs(kivi["worst"] - 500 / 450) < 1e-9
+    # split counts alone: 8 worst 500/450 = 1.11x; 32: 150/90 = 1.67x; 4: 600/450 = 1.33x. But 32 splits of at least
+    # 4 tiles run 8 live splits at 4k (32 tiles) and 32 at 32k (256): the fastest count at both
+    assert (kivi["splits"], kivi["warp_split"], kivi["min_split_tiles"]) == (32, False, 4)
+    assert kivi["worst"] == pytest.approx(1.0)
+    assert kivi["cases"][("qwen2.5-7b", 4096)] == (90.0, 90.0)
     assert chosen["int4_saw"][128]["splits"] == 4
     assert set(chosen) == {"int4_kivi", "int4_saw"}
 
@@ -70,8 +72,17 @@ def test_choose_ignores_counts_missing_from_a_case():
 def test_split_table_bounds_at_geometric_midpoints_and_merges_equal_neighbours():
     chosen = {4: {"splits": 64}, 32: {"splits": 16}, 128: {"splits": 16}, 1024: {"splits": 2}, 2048: {"splits": 1}}
     table = sweep_splits.split_table(chosen, 132)
-    assert table == ((round((4 * 32) ** 0.5 / 132, 3), 64, False), (round((128 * 1024) ** 0.5 / 132, 3), 16, False),
-                     (round((1024 * 2048) ** 0.5 / 132, 3), 2, False), (float("inf"), 1, False))
+    assert table == ((round((4 * 32) ** 0.5 / 132, 3), 64, False, 1),
+                     (round((128 * 1024) ** 0.5 / 132, 3), 16, False, 1),
+                     (round((1024 * 2048) ** 0.5 / 132, 3), 2, False, 1), (float("inf"), 1, False, 1))
+
+
+def test_split_table_carries_min_split_tiles_and_drops_it_at_one_split():
+    chosen = {64: {"splits": 16, "min_split_tiles": 2}, 256: {"splits": 4, "min_split_tiles": 8},
+              1024: {"splits": 1, "min_split_tiles": 1}, 2048: {"splits": 4, "min_split_tiles": 64}}
+    table = sweep_splits.split_table(chosen, 132)
+    # 2048's 4 splits are capped at the 1 before them, where a minimum means nothing: it merges into 1024's entry
+    assert [entry[1:] for entry in table] == [(16, False, 2), (4, False, 8), (1, False, 1)]
 
 
 def test_split_table_keeps_the_launch_and_caps_splits_only_on_the_same_launch():
@@ -79,7 +90,7 @@ def test_split_table_keeps_the_launch_and_caps_splits_only_on_the_same_launch():
               512: {"splits": 16, "warp_split": True}, 1024: {"splits": 16, "warp_split": False}}
     table = sweep_splits.split_table(chosen, 132)
     # 512's 16 is capped at the warp-split 8 before it; 1024's 16 follows a warp-split point, so it stands
-    assert [entry[1:] for entry in table] == [(64, False), (8, True), (16, False)]
+    assert [entry[1:] for entry in table] == [(64, False, 1), (8, True, 1), (16, False, 1)]
     assert table[1][0] == round((512 * 1024) ** 0.5 / 132, 3)
 
 
@@ -87,15 +98,17 @@ def test_apply_rewrites_the_kernels_tables_and_the_rule_reads_them():
     from s4kv.kernels import attention
 
     source = sweep_splits.ATTENTION_SOURCE.read_text()
-    tables = {"int4_kivi": ((0.5, 32, False), (2.0, 4, False), (float("inf"), 1, False)),
-              "int4_saw": ((1.0, 8, False), (float("inf"), 2, True))}
+    tables = {"int4_kivi": ((0.5, 32, False, 1), (2.0, 4, False, 2), (float("inf"), 1, False, 1)),
+              "int4_saw": ((1.0, 8, False, 4), (float("inf"), 2, True, 1))}
     written = sweep_splits.apply_split_tables(source, tables)
     assert written.count("DECODE_SPLITS = {") == 1
     namespace = {"math": __import__("math")}
     exec(sweep_splits.DECODE_SPLITS_BLOCK.search(written).group(0), namespace)
     assert namespace["DECODE_SPLITS"] == tables
-    assert attention.decode_plan(33, 4, 132, namespace["DECODE_SPLITS"]["int4_kivi"]) == (4, False)  # 1.0 per SM
-    assert attention.decode_plan(34, 4, 132, namespace["DECODE_SPLITS"]["int4_saw"]) == (2, True)
+    kivi, saw = namespace["DECODE_SPLITS"]["int4_kivi"], namespace["DECODE_SPLITS"]["int4_saw"]
+    assert attention.decode_plan(33, 4, 132, kivi) == attention.DecodePlan(4, False, 2)  # 1.0 per SM
+    assert attention.decode_plan(33, 4, 132, saw) == attention.DecodePlan(8, False, 4)
+    assert attention.decode_plan(34, 4, 132, saw) == attention.DecodePlan(2, True, 1)
     with pytest.raises(ValueError, match="no split table for int4_saw"):
         sweep_splits.apply_split_tables(source, {"int4_kivi": tables["int4_kivi"]})
 
@@ -128,9 +141,45 @@ def test_committed_rows_keep_fa3_and_the_rules_candidate_per_scheme(tmp_path):
     for batch in (1, 32, 256):
         for scheme in sweep_splits.SCHEMES:
             (row,) = [r for r in picked if r["method"] == scheme and r["batch"] == batch]
-            splits, warp_split = decode_plan(batch, 4, 132, DECODE_SPLITS[scheme])
-            assert row["ms"] == pytest.approx((10.0 * splits + warp_split) / 1e3)
+            plan = decode_plan(batch, 4, 132, DECODE_SPLITS[scheme])
+            assert row["ms"] == pytest.approx((10.0 * plan.splits + plan.warp_split) / 1e3)
     source = tmp_path / "sweep_splits.json"
     source.write_text(json.dumps(measured))
     assert plot_kernels.main([str(source), "--sweep", "--out", str(tmp_path / "decode.png")]) == 0
     assert (tmp_path / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_committed_rows_prefer_the_timed_committed_plan():
+    measured = rows({("int4_saw", 4096): {1: 50.0, 2: 60.0}}, batch=256)
+    measured.append(dict(measured[0], splits=4, min_split_tiles=8, committed=True, us=42.0))
+    for r in measured:
+        r["gbps"] = 1.0
+    (row,) = sweep_splits.committed_rows(measured)
+    assert row["ms"] == pytest.approx(0.042)
+    # and the chooser leaves it out: it is not a split count
+    assert set(sweep_splits.choose_splits(measured)["int4_saw"][1024]["cases"].values()) == {(50.0, 50.0)}
+
+
+def test_live_splits_follow_the_plan():
+    assert sweep_splits.live_splits(1024, 128, 64, 1) == 8  # 8 tiles, one each
+    assert sweep_splits.live_splits(1024, 128, 64, 4) == 2
+    assert sweep_splits.live_splits(32768, 128, 4, 16) == 4  # 256 tiles: 64 each, above the minimum
+    assert sweep_splits.live_splits(4096, 128, 4, 16) == 2
+    assert sweep_splits.live_splits(1000, 128, 16, 1) == 8  # 8 tiles (the last partly filled)
+
+
+def test_choose_estimates_min_split_tiles_from_the_counts_measured():
+    # 1k (8 tiles) is fastest at 1 split, 32k (256 tiles) at 8: 8 splits of at least 8 tiles runs 1 split at 1k and
+    # 8 at 32k, estimated at those counts' times
+    measured = rows({("int4_saw", 1024): {1: 50.0, 2: 55.0, 8: 80.0},
+                     ("int4_saw", 32768): {1: 900.0, 2: 600.0, 8: 400.0}}, batch=64)
+    for r in measured:
+        r["tile"] = 128
+    pick = sweep_splits.choose_splits(measured)["int4_saw"][256]
+    assert (pick["splits"], pick["warp_split"], pick["min_split_tiles"]) == (8, False, 8)
+    assert pick["worst"] == pytest.approx(1.0)
+    assert pick["cases"][("qwen2.5-7b", 1024)] == (50.0, 50.0)
+    # without a gain beyond the margin for the unmeasured empty splits, the plain split count stands
+    close = rows({("int4_saw", 1024): {1: 50.0, 8: 51.0}, ("int4_saw", 32768): {1: 900.0, 8: 400.0}}, batch=64)
+    pick = sweep_splits.choose_splits(close)["int4_saw"][256]
+    assert (pick["splits"], pick["min_split_tiles"]) == (8, 1)

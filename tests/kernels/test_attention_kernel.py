@@ -202,9 +202,9 @@ def test_split_rule_picks_the_warp_split_launch(gen, kernel_device, monkeypatch)
     batch = make_paged_batch(gen, DECODE[:2], 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    monkeypatch.setitem(attention.DECODE_SPLITS, "int4_saw", ((0.25, 4, False), (float("inf"), 2, True)))
+    monkeypatch.setitem(attention.DECODE_SPLITS, "int4_saw", ((0.25, 4, False, 1), (float("inf"), 2, True, 1)))
     workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, "int4_saw", max_num_seqs=4, num_sms=8)
-    assert workspace.warp_split == (False, False, True, True, True) and workspace.splits == (1, 4, 2, 2, 2)
+    assert [(plan.splits, plan.warp_split) for plan in workspace.plans] == [(1, False), (4, False)] + [(2, True)] * 3
     fixed = SplitWorkspace.allocate(8, 2, 128, kernel_device, max_num_seqs=4, num_splits=2)
     default = run_kernel(batch, cache, scheme, workspace)
     torch.testing.assert_close(default, run_kernel(batch, cache, scheme, fixed, warp_split_launch(kernel_device)),

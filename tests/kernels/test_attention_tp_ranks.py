@@ -49,7 +49,7 @@ def test_attention_at_the_heads_of_one_rank(gen, kernel_device, rank, scheme_nam
     if specs is DECODE:
         # as S4KVMetadataBuilder allocates it, from this rank's heads; a small target forces several splits
         workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, 128, kernel_device, num_splits=8)
-        assert workspace.num_splits(len(DECODE)) > 1
+        assert workspace.plan(len(DECODE)).splits > 1
         workspace.part_acc.fill_(float("nan"))
         workspace.part_ml.fill_(float("nan"))
     out = attend(batch, cache, pool, scheme, workspace)

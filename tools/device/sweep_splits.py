@@ -10,9 +10,10 @@ workspace forced to each split count in turn (split_candidates). Outputs are che
 scheme's first candidate (launches and splits change only the order of the sums: within SPLIT_MAX_REL_DIFF) and
 FA3's (bench_kernels' sanity bound); times are medians of CUDA-graph replays.
 
-The (split count, launch) chosen per scheme for a batch size is the candidate with the smallest worst-case slowdown
-against the fastest one over the contexts and shapes measured at its KV-head programs (batch x KV heads): the rule
-must depend on the batch only (CUDA graphs are captured per batch size), so one candidate serves every context.
+The plan chosen per scheme for a batch size (kernels.attention.DecodePlan: split count, launch, and the fewest tiles
+a split takes) is the candidate with the smallest worst-case slowdown against the fastest split count over the
+contexts and shapes measured at its KV-head programs (batch x KV heads): the rule must depend on the batch only (CUDA
+graphs are captured per batch size), so one plan serves every context. Each case also times the committed plan.
 Printed after a sweep, or from a saved one with ``--choose``; ``--apply`` writes it into kernels/attention.py's
 DECODE_SPLITS.
 
@@ -42,6 +43,13 @@ MAX_PROGRAMS_PER_SM = 64
 # |v| / sqrt(context)) and P is rounded to 16 bits against unsigned codes: counts measured 1-4% apart at 4k-32k. A
 # split that dropped or doubled a part of the context is off by tens of percent.
 SPLIT_MAX_REL_DIFF = 0.1
+# A candidate's min_split_tiles (DecodePlan) is estimated, not timed: at each case it leaves some splits empty, so
+# its time is taken as the time measured at exactly the live split count (a candidate leaving a count not measured
+# is out), without the empty splits' programs (which exit at once). Such a candidate must beat the best one without
+# it by this factor to be chosen; every sweep also times the committed plan in each case (rows marked "committed"),
+# so the next sweep checks the estimate.
+MIN_TILES_MARGIN = 1.03
+MIN_SPLIT_TILES = tuple(1 << i for i in range(9))
 
 
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
@@ -54,19 +62,36 @@ def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
     return [s for s in fits if 4 * programs * s >= num_sms] or fits[-1:] or [1]
 
 
+def live_splits(context: int, tile: int, splits: int, min_split_tiles: int) -> int:
+    """The splits a context of ``context`` tokens fills under a DecodePlan (the kernel's _live_splits)."""
+    tiles = math.ceil(context / tile)
+    return math.ceil(tiles / max(math.ceil(tiles / splits), min_split_tiles))
+
+
+def launch_tile(scheme_name: str, warp_split: bool) -> int:
+    """Tokens per tile of a scheme's decode launch on our 128-token pages."""
+    from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH
+    from s4kv.kernels.layout import tile_tokens
+
+    return tile_tokens(bk.S4KV_BLOCK_SIZE, (WARP_SPLIT_LAUNCH if warp_split else DECODE_LAUNCH)[scheme_name].tile)
+
+
 def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
-    """scheme -> KV-head programs of a batch unsplit (batch x KV heads) -> {"splits", "warp_split": the candidate
-    with the smallest worst-case slowdown against the fastest candidate over every (shape, context) measured
-    there, "worst": that slowdown, "cases": {(shape, context): (its time, fastest time)}}. A candidate is a split
-    count on one of the scheme's launches (warp_split: WARP_SPLIT_LAUNCH); only those measured in every case
-    compete."""
+    """scheme -> KV-head programs of a batch unsplit (batch x KV heads) -> {"splits", "warp_split",
+    "min_split_tiles": the candidate with the smallest worst-case slowdown against the fastest split count over every
+    (shape, context) measured there, "worst": that slowdown, "cases": {(shape, context): (its time, fastest
+    time)}}. A candidate is a split count on one of the scheme's launches (warp_split: WARP_SPLIT_LAUNCH), measured
+    in every case, with a min_split_tiles estimated from the counts measured (MIN_TILES_MARGIN says how)."""
     groups: dict[str, dict[int, dict[tuple, dict[tuple[int, bool], float]]]] = {}
+    tiles: dict[tuple[str, bool], int] = {}
     for r in rows:
-        if r.get("us") is None or r["method"] not in SCHEMES:
+        if r.get("us") is None or r["method"] not in SCHEMES or r.get("committed"):
             continue
         programs = r["batch"] * bk.SHAPES[r["shape"]][1]
         cases = groups.setdefault(r["method"], {}).setdefault(programs, {})
-        cases.setdefault((r["shape"], r["context"]), {})[(r["splits"], r.get("warp_split", False))] = r["us"]
+        launch = (r["method"], r.get("warp_split", False))
+        cases.setdefault((r["shape"], r["context"]), {})[(r["splits"], launch[1])] = r["us"]
+        tiles[launch] = r.get("tile") or launch_tile(*launch)
     chosen: dict[str, dict[int, dict]] = {}
     for scheme, by_programs in groups.items():
         for programs, cases in by_programs.items():
@@ -74,32 +99,46 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
             if not common:
                 continue
 
-            def worst(candidate):
-                return max(t[candidate] / min(t.values()) for t in cases.values())
+            def estimate(candidate, case, times):
+                splits, warp_split, min_split_tiles = candidate
+                tile = tiles[(scheme, warp_split)]
+                live = live_splits(case[1], tile, splits, min_split_tiles)
+                if live == live_splits(case[1], tile, splits, 1):
+                    return times[(splits, warp_split)]
+                return times.get((live, warp_split), math.inf)  # a live count not measured: no estimate
 
-            best = min(sorted(common), key=worst)
+            def worst(candidate):
+                return max(estimate(candidate, c, t) / min(t.values()) for c, t in cases.items())
+
+            best = min(((s, w, 1) for s, w in sorted(common)), key=worst)
+            with_min = min(((s, w, m) for s, w in sorted(common) for m in MIN_SPLIT_TILES), key=worst)
+            if worst(with_min) * MIN_TILES_MARGIN < worst(best):
+                best = with_min
             chosen.setdefault(scheme, {})[programs] = {
-                "splits": best[0], "warp_split": best[1], "worst": worst(best),
-                "cases": {c: (t[best], min(t.values())) for c, t in cases.items()}}
+                "splits": best[0], "warp_split": best[1], "min_split_tiles": best[2], "worst": worst(best),
+                "cases": {c: (estimate(best, c, t), min(t.values())) for c, t in cases.items()}}
     return chosen
 
 
-def split_table(chosen: dict[int, dict], num_sms: int) -> tuple[tuple[float, int, bool], ...]:
-    """One scheme's DECODE_SPLITS entry from its chosen candidates: each measured point's (splits, warp split)
-    holds up to the geometric mean of its KV-head programs and the next point's (per SM); the last holds beyond;
-    equal neighbours merge. On the same launch a point never gets more splits than the point before it (a larger
-    batch already fills the SMs: where a sweep says otherwise, the counts were within a few percent)."""
+def split_table(chosen: dict[int, dict], num_sms: int) -> tuple[tuple[float, int, bool, int], ...]:
+    """One scheme's DECODE_SPLITS entry from its chosen candidates: each measured point's plan (splits, warp split,
+    min split tiles) holds up to the geometric mean of its KV-head programs and the next point's (per SM); the last
+    holds beyond; equal neighbours merge. On the same launch a point never gets more splits than the point before it
+    (a larger batch already fills the SMs: where a sweep says otherwise, the counts were within a few percent)."""
     points = sorted(chosen)
-    table: list[tuple[float, int, bool]] = []
+    table: list[tuple[float, int, bool, int]] = []
     for here, after in zip(points, points[1:] + [None]):
         bound = math.inf if after is None else round(math.sqrt(here * after) / num_sms, 3)
         splits, warp_split = chosen[here]["splits"], chosen[here].get("warp_split", False)
+        min_split_tiles = chosen[here].get("min_split_tiles", 1)
         if table and table[-1][2] == warp_split:
             splits = min(splits, table[-1][1])
-        if table and table[-1][1:] == (splits, warp_split):
-            table[-1] = (bound, splits, warp_split)
+        if splits == 1:  # one split takes every tile
+            min_split_tiles = 1
+        if table and table[-1][1:] == (splits, warp_split, min_split_tiles):
+            table[-1] = (bound, splits, warp_split, min_split_tiles)
         else:
-            table.append((bound, splits, warp_split))
+            table.append((bound, splits, warp_split, min_split_tiles))
     return tuple(table)
 
 
@@ -108,8 +147,8 @@ def tables_source(tables: dict[str, tuple], width: int = 120) -> str:
     def entry(scheme, table):
         head = f'    "{scheme}": ('
         lines, line = [], head
-        for b, s, w in table:
-            item = f"({'math.inf' if b == math.inf else b}, {s}, {w}), "
+        for b, s, w, m in table:
+            item = f"({'math.inf' if b == math.inf else b}, {s}, {w}, {m}), "
             if len(line) + len(item.rstrip()) > width - 2 and line.strip() != head.strip():
                 lines.append(line.rstrip())
                 line = " " * len(head)
@@ -134,25 +173,31 @@ def apply_split_tables(source: str, tables: dict[str, tuple]) -> str:
 
 
 def committed_rows(rows: list[dict]) -> list[dict]:
-    """A sweep's measured FA3 rows and, per scheme and case, the candidate kernels/attention.py's DECODE_SPLITS picks
-    (what the backend runs), as bench_kernels' decode rows (method, ms, gbps), for plot_kernels."""
-    from s4kv.kernels.attention import DECODE_SPLITS, decode_plan
+    """A sweep's measured FA3 rows and, per scheme and case, the row of the plan kernels/attention.py's DECODE_SPLITS
+    picks (what the backend runs), as bench_kernels' decode rows (method, ms, gbps), for plot_kernels: its
+    "committed" row, or in a sweep without those, the split count it times alike (min_split_tiles 1)."""
+    from s4kv.kernels.attention import DECODE_SPLITS, DecodePlan, decode_plan
 
+    timed = {(r["shape"], r["batch"], r["context"], r["method"]) for r in rows if r.get("committed")}
     picked = []
     for r in rows:
         if r.get("us") is None:
             continue
         if r["method"] in SCHEMES:
             plan = decode_plan(r["batch"], bk.SHAPES[r["shape"]][1], r["num_sms"], DECODE_SPLITS[r["method"]])
-            if (r["splits"], r.get("warp_split", False)) != plan:
+            if (r["shape"], r["batch"], r["context"], r["method"]) in timed:
+                if not r.get("committed"):
+                    continue
+            elif DecodePlan(r["splits"], r.get("warp_split", False)) != plan:
                 continue
         picked.append({"shape": r["shape"], "batch": r["batch"], "context": r["context"], "method": r["method"],
                        "ms": r["us"] / 1e3, "gbps": r["gbps"]})
     return picked
 
 
-def candidate_name(splits: int, warp_split: bool) -> str:
-    return f"{'w' if warp_split else ''}{splits}"
+def candidate_name(splits: int, warp_split: bool, min_split_tiles: int = 1) -> str:
+    """w: the warp-split launch; /N: at least N tiles per split."""
+    return f"{'w' if warp_split else ''}{splits}" + (f"/{min_split_tiles}" if min_split_tiles > 1 else "")
 
 
 def render(rows: list[dict]) -> str:
@@ -161,19 +206,22 @@ def render(rows: list[dict]) -> str:
     for r in rows:
         by_case.setdefault((r["shape"], r["batch"], r["context"]), []).append(r)
     lines = ["| shape | batch | context | fa3_bf16 | fa3_fp8 | scheme | us per candidate: split count, w = warp split "
-             "(fastest *) | committed |",
+             "(fastest *) | committed plan (/N: at least N tiles per split): us |",
              "|---|---|---|---|---|---|---|---|"]
     for (shape, batch, context), case in by_case.items():
         ref = {r["method"]: r for r in case if r["method"].startswith("fa3")}
         fa3 = lambda m: f"{ref[m]['us']:,.0f}" if m in ref and ref[m]["us"] else "-"  # noqa: E731
         for scheme in SCHEMES:
-            timed = [r for r in case if r["method"] == scheme and r["us"]]
+            timed = [r for r in case if r["method"] == scheme and r["us"] and not r.get("committed")]
             if not timed:
                 continue
             fastest = min(r["us"] for r in timed)
             cells = " ".join(f"{candidate_name(r['splits'], r.get('warp_split', False))}:{r['us']:,.0f}"
                              f"{'*' if r['us'] == fastest else ''}" for r in timed)
             committed = timed[0].get("committed_splits")
+            committed_us = [r["us"] for r in case if r["method"] == scheme and r.get("committed") and r["us"]]
+            if committed_us:
+                committed += f": {committed_us[0]:,.0f}"
             lines.append(f"| {shape} | {batch} | {context:,} | {fa3('fa3_bf16')} | {fa3('fa3_fp8')} | {scheme} | "
                          f"{cells} | {committed} |")
     return "\n".join(lines) + "\n"
@@ -211,9 +259,22 @@ def sweep(shapes, batches, contexts, budget_s: float, out: Path) -> list[dict]:
     return rows
 
 
-def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls, scheme_cls) -> list[dict]:
+def _candidates(scheme_name, batch, num_q_heads, num_kv_heads, num_sms, device, workspace_cls, rule):
+    """(row fields, workspace, launch) per candidate: every split count on each of the scheme's decode launches,
+    then the committed plan (``rule``, the scheme's DECODE_SPLITS workspace, at its default launch)."""
     from s4kv.kernels.attention import decode_launches
 
+    for launch in decode_launches(scheme_name):
+        for splits in split_candidates(batch, num_kv_heads, num_sms):
+            yield (dict(splits=splits, warp_split=launch.warp_split, tile=launch_tile(scheme_name, launch.warp_split)),
+                   workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, device, max_num_seqs=batch,
+                                          num_splits=splits), launch)
+    plan = rule.plan(batch)
+    yield (dict(splits=plan.splits, warp_split=plan.warp_split, min_split_tiles=plan.min_split_tiles,
+                tile=launch_tile(scheme_name, plan.warp_split), committed=True), rule, None)
+
+
+def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls, scheme_cls) -> list[dict]:
     num_q_heads, num_kv_heads = bk.SHAPES[shape]
     query = torch.randn(batch, num_q_heads, bk.HEAD_DIM, dtype=kv_pool.dtype, device=kv_pool.device)
     problem = bk.DecodeProblem(batch, context, query, kv_pool)
@@ -242,38 +303,37 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
         cache = bk.fill_s4kv_cache(scheme, problem, tables[bk.S4KV_BLOCK_SIZE])
         rule = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, kv_pool.device, scheme_name,
                                       max_num_seqs=batch)
-        committed = candidate_name(rule.num_splits(batch), rule.warp_split_for(batch))
+        plan = rule.plan(batch)
+        committed = candidate_name(*plan)
         first = None  # the first candidate's output: every other one must match it
-        for launch in decode_launches(scheme_name):
-            for splits in split_candidates(batch, num_kv_heads, num_sms):
-                workspace = workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, kv_pool.device,
-                                                   max_num_seqs=batch, num_splits=splits)
-                out = torch.full_like(query, float("nan"))
-                row = dict(base, method=scheme_name, splits=splits, warp_split=launch.warp_split,
-                           committed_splits=committed)
-                try:
-                    us = bk.median_ms(bk.s4kv_decode_call(scheme, problem, cache, tables[bk.S4KV_BLOCK_SIZE], out,
-                                                          workspace, launch), rep_ms=60) * 1e3
-                    if not torch.isfinite(out).all():
-                        raise RuntimeError("output has NaN/inf (unwritten or broken)")
-                    err = (float((out.float() - reference).norm() / reference.norm()) if reference is not None
-                           else None)
-                    if err is not None and err > bk.SANITY_MAX_REL_ERR:
-                        raise RuntimeError(f"output differs from FA3's by {err:.3f} (relative)")
-                    if first is None:
-                        first = out.float()
-                    diff = float((out.float() - first).norm() / first.norm())
-                    if diff > SPLIT_MAX_REL_DIFF:
-                        raise RuntimeError(f"output differs from the first candidate's by {diff:.2e} (relative)")
-                    rows.append(dict(row, us=us, gbps=nbytes / us / 1e3, rel_err_vs_fa3=err))
-                except Exception as exc:
-                    traceback.print_exc()
-                    rows.append(dict(row, us=None, error=f"{type(exc).__name__}: {exc}"))
-                del workspace
+        for fields, workspace, launch in _candidates(scheme_name, batch, num_q_heads, num_kv_heads, num_sms,
+                                                     kv_pool.device, workspace_cls, rule):
+            out = torch.full_like(query, float("nan"))
+            row = dict(base, method=scheme_name, committed_splits=committed, **fields)
+            try:
+                us = bk.median_ms(bk.s4kv_decode_call(scheme, problem, cache, tables[bk.S4KV_BLOCK_SIZE], out,
+                                                      workspace, launch), rep_ms=60) * 1e3
+                if not torch.isfinite(out).all():
+                    raise RuntimeError("output has NaN/inf (unwritten or broken)")
+                err = (float((out.float() - reference).norm() / reference.norm()) if reference is not None
+                       else None)
+                if err is not None and err > bk.SANITY_MAX_REL_ERR:
+                    raise RuntimeError(f"output differs from FA3's by {err:.3f} (relative)")
+                if first is None:
+                    first = out.float()
+                diff = float((out.float() - first).norm() / first.norm())
+                if diff > SPLIT_MAX_REL_DIFF:
+                    raise RuntimeError(f"output differs from the first candidate's by {diff:.2e} (relative)")
+                rows.append(dict(row, us=us, gbps=nbytes / us / 1e3, rel_err_vs_fa3=err))
+            except Exception as exc:
+                traceback.print_exc()
+                rows.append(dict(row, us=None, error=f"{type(exc).__name__}: {exc}"))
+            del workspace
         del cache
         torch.cuda.empty_cache()
-    line = " ".join(f"{r['method']}/{candidate_name(r['splits'], r.get('warp_split', False))}:{r['us']:,.0f}"
-                    for r in rows if r.get("us"))
+    line = " ".join(f"{r['method']}/{'committed ' if r.get('committed') else ''}"
+                    f"{candidate_name(r['splits'], r.get('warp_split', False), r.get('min_split_tiles', 1))}"
+                    f":{r['us']:,.0f}" for r in rows if r.get("us"))
     print(f"{shape} b={batch} ctx={context}: {line}", flush=True)
     return rows
 
@@ -302,8 +362,9 @@ def main() -> int:
     for scheme, by_programs in sorted(chosen.items()):
         for programs, pick in sorted(by_programs.items()):
             launch = "WARP_SPLIT_LAUNCH" if pick["warp_split"] else "DECODE_LAUNCH"
-            print(f"{scheme} at {programs} KV-head programs: {pick['splits']} splits on {launch}, worst case "
-                  f"{pick['worst']:.2f}x the fastest candidate over {len(pick['cases'])} cases")
+            at_least = f", at least {pick['min_split_tiles']} tiles each" if pick["min_split_tiles"] > 1 else ""
+            print(f"{scheme} at {programs} KV-head programs: {pick['splits']} splits{at_least} on {launch}, worst "
+                  f"case {pick['worst']:.2f}x the fastest split count over {len(pick['cases'])} cases")
     tables = {scheme: split_table(chosen[scheme], rows[0]["num_sms"]) for scheme in SCHEMES if scheme in chosen}
     print(tables_source(tables), end="")
     if args.apply:
