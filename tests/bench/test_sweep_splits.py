@@ -183,3 +183,19 @@ def test_choose_estimates_min_split_tiles_from_the_counts_measured():
     close = rows({("int4_saw", 1024): {1: 50.0, 8: 51.0}, ("int4_saw", 32768): {1: 900.0, 8: 400.0}}, batch=64)
     pick = sweep_splits.choose_splits(close)["int4_saw"][256]
     assert (pick["splits"], pick["min_split_tiles"]) == (8, 1)
+
+
+def test_each_case_times_every_count_on_each_launch_then_the_committed_plan():
+    from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH, SplitWorkspace
+
+    rule = SplitWorkspace.allocate(28, 4, 128, "cpu", "int4_saw", max_num_seqs=8, num_sms=132)
+    candidates = list(sweep_splits._candidates("int4_saw", 8, 28, 4, 132, "cpu", SplitWorkspace, rule))
+    counts = sweep_splits.split_candidates(8, 4, 132)
+    assert [launch for _, _, launch in candidates[:-1]] == \
+        [DECODE_LAUNCH["int4_saw"]] * len(counts) + [WARP_SPLIT_LAUNCH["int4_saw"]] * len(counts)
+    assert [(f["splits"], ws.plan(8).splits) for f, ws, _ in candidates[:len(counts)]] == [(s, s) for s in counts]
+    fields, workspace, launch = candidates[-1]
+    plan = rule.plan(8)
+    assert workspace is rule and launch is None  # the backend's own choice of launch
+    assert fields == dict(splits=plan.splits, warp_split=plan.warp_split, min_split_tiles=plan.min_split_tiles,
+                          tile=128, committed=True)
