@@ -680,12 +680,13 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     group = num_q_heads // num_kv_heads
     decode = max_query_len == 1
     default_launch = launch is None
+    plan = workspace.plan(num_seqs) if (decode and workspace is not None) else DecodePlan(1)
     if decode:
         block_m = max(16, triton.next_power_of_2(group))
         if launch is None:
             # the warp-split launch where the split rule picks it and the page holds its whole tile
             warp_launch = WARP_SPLIT_LAUNCH.get(scheme.name)
-            use_warps = (workspace is not None and workspace.plan(num_seqs).warp_split and warp_launch is not None
+            use_warps = (plan.warp_split and warp_launch is not None
                          and tile_tokens(block_size, warp_launch.tile) == warp_launch.tile)
             launch = warp_launch if use_warps else DECODE_LAUNCH[scheme.name]
         block_q = 1
@@ -710,7 +711,6 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         launch = replace(launch, ptx_unpack=False)
     # the interpreter compiles nothing: a register cap is for ptxas only
     compiler_options = {} if launch.max_registers is None or interpreted else {"maxnreg": launch.max_registers}
-    plan = workspace.plan(num_seqs) if (decode and workspace is not None) else DecodePlan(1)
     num_splits = plan.splits
     if num_splits > 1 and (workspace.num_q_heads != num_q_heads or workspace.part_acc.shape[1] != head_dim):
         raise ValueError("workspace was allocated for another number of query heads or another head_dim")
