@@ -602,7 +602,7 @@ class SplitWorkspace:
                  max_num_seqs: int = 256, num_splits: int | None = None,
                  num_sms: int | None = None) -> "SplitWorkspace":
         """Plans by DECODE_SPLITS[scheme_name] for the device's SMs (``num_sms``: 8 off the GPU), or ``num_splits`` (a
-        power of two) for every batch size, on the tile loop with every split live."""
+        power of two) for every batch size, on the tile loop (DecodePlan(num_splits))."""
         check_head_dim(head_dim)
         if (num_splits is None) == (scheme_name is None):
             raise ValueError("give the scheme whose DECODE_SPLITS rule sizes the workspace, or a fixed num_splits")
