@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
 . .venv/bin/activate
 ruff check .   # the lint configuration of pyproject.toml ([tool.ruff])
-exec python -m pytest -m "not gpu" -q "$@"
+exec python -m pytest -m "not gpu" -q --durations=15 "$@"   # the slowest tests: CI has 90 minutes
