@@ -564,6 +564,10 @@ class DecodePlan(NamedTuple):
     warp_split: bool = False
     min_split_tiles: int = 1
 
+    def live_splits(self, num_tiles: int) -> int:
+        """The splits a sequence of ``num_tiles`` tiles fills (what the kernels' _live_splits computes)."""
+        return -(-num_tiles // max(-(-num_tiles // self.splits), self.min_split_tiles))
+
 
 # Split-KV decode per scheme, by the KV-head programs per SM a batch gives unsplit (num_seqs * num_kv_heads / SMs):
 # (up to this many per SM, splits, warp split, min split tiles) (DecodePlan's fields), first match. A function of the

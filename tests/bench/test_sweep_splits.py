@@ -160,14 +160,6 @@ def test_committed_rows_prefer_the_timed_committed_plan():
     assert set(sweep_splits.choose_splits(measured)["int4_saw"][1024]["cases"].values()) == {(50.0, 50.0)}
 
 
-def test_live_splits_follow_the_plan():
-    assert sweep_splits.live_splits(1024, 128, 64, 1) == 8  # 8 tiles, one each
-    assert sweep_splits.live_splits(1024, 128, 64, 4) == 2
-    assert sweep_splits.live_splits(32768, 128, 4, 16) == 4  # 256 tiles: 64 each, above the minimum
-    assert sweep_splits.live_splits(4096, 128, 4, 16) == 2
-    assert sweep_splits.live_splits(1000, 128, 16, 1) == 8  # 8 tiles (the last partly filled)
-
-
 def test_choose_estimates_min_split_tiles_from_the_counts_measured():
     # 1k (8 tiles) is fastest at 1 split, 32k (256 tiles) at 8: 8 splits of at least 8 tiles runs 1 split at 1k and
     # 8 at 32k, estimated at those counts' times

@@ -57,6 +57,15 @@ def test_workspace_holds_the_largest_batch_times_its_splits(scheme_name, num_q_h
     assert ws.part_acc.dtype == ws.part_ml.dtype == torch.float32
 
 
+def test_live_splits_follow_the_plan():
+    assert DecodePlan(64).live_splits(8) == 8  # 8 tiles, one each
+    assert DecodePlan(64, False, 4).live_splits(8) == 2
+    assert DecodePlan(4, False, 16).live_splits(256) == 4  # 64 tiles each, above the minimum
+    assert DecodePlan(4, False, 16).live_splits(32) == 2
+    assert DecodePlan(16).live_splits(40) == 14  # 3 tiles each: the 14th holds the last one
+    assert DecodePlan(1, True, 1).live_splits(256) == 1
+
+
 def test_workspace_refuses_a_batch_above_max_num_seqs():
     ws = SplitWorkspace.allocate(8, 2, 128, "cpu", "int4_saw", max_num_seqs=16)
     with pytest.raises(ValueError, match="max_num_seqs 16"):
@@ -111,8 +120,7 @@ def decode_with_rule(gen, kernel_device, scheme_name, num_seqs):
     splits = plan.splits
     partials = ws.part_ml[: num_seqs * num_q_heads * splits].view(num_seqs, num_q_heads, splits, 2).cpu()
     for seq, seq_len in enumerate(batch.seq_lens.tolist()):
-        tiles = math.ceil(seq_len / tile_tokens(128, launch.tile))
-        live = math.ceil(tiles / max(math.ceil(tiles / splits), plan.min_split_tiles))
+        live = plan.live_splits(math.ceil(seq_len / tile_tokens(128, launch.tile)))
         assert not partials[seq, :, :live].isnan().any(), f"{scheme_name}, sequence {seq}: a live split unwritten"
         assert partials[seq, :, live:].isnan().all(), f"{scheme_name}, sequence {seq}: a split past the context ran"
     return plan

@@ -49,7 +49,7 @@ SPLIT_MAX_REL_DIFF = 0.1
 # it by this factor to be chosen; every sweep also times the committed plan in each case (rows marked "committed"),
 # so the next sweep checks the estimate.
 MIN_TILES_MARGIN = 1.03
-MIN_SPLIT_TILES = tuple(1 << i for i in range(9))
+MIN_SPLIT_TILES_CANDIDATES = tuple(1 << i for i in range(9))
 
 
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
@@ -60,12 +60,6 @@ def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
     programs = batch * num_kv_heads
     fits = [s for s in counts if programs * s <= MAX_PROGRAMS_PER_SM * num_sms]
     return [s for s in fits if 4 * programs * s >= num_sms] or fits[-1:] or [1]
-
-
-def live_splits(context: int, tile: int, splits: int, min_split_tiles: int) -> int:
-    """The splits a context of ``context`` tokens fills under a DecodePlan (the kernel's _live_splits)."""
-    tiles = math.ceil(context / tile)
-    return math.ceil(tiles / max(math.ceil(tiles / splits), min_split_tiles))
 
 
 def launch_tile(scheme_name: str, warp_split: bool) -> int:
@@ -82,6 +76,8 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
     (shape, context) measured there, "worst": that slowdown, "cases": {(shape, context): (its time, fastest
     time)}}. A candidate is a split count on one of the scheme's launches (warp_split: WARP_SPLIT_LAUNCH), measured
     in every case, with a min_split_tiles estimated from the counts measured (MIN_TILES_MARGIN says how)."""
+    from s4kv.kernels.attention import DecodePlan
+
     groups: dict[str, dict[int, dict[tuple, dict[tuple[int, bool], float]]]] = {}
     tiles: dict[tuple[str, bool], int] = {}
     for r in rows:
@@ -100,18 +96,18 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
                 continue
 
             def estimate(candidate, case, times):
-                splits, warp_split, min_split_tiles = candidate
-                tile = tiles[(scheme, warp_split)]
-                live = live_splits(case[1], tile, splits, min_split_tiles)
-                if live == live_splits(case[1], tile, splits, 1):
-                    return times[(splits, warp_split)]
-                return times.get((live, warp_split), math.inf)  # a live count not measured: no estimate
+                plan = DecodePlan(*candidate)
+                num_tiles = math.ceil(case[1] / tiles[(scheme, plan.warp_split)])
+                live = plan.live_splits(num_tiles)
+                if live == plan._replace(min_split_tiles=1).live_splits(num_tiles):
+                    return times[(plan.splits, plan.warp_split)]
+                return times.get((live, plan.warp_split), math.inf)  # a live count not measured: no estimate
 
             def worst(candidate):
                 return max(estimate(candidate, c, t) / min(t.values()) for c, t in cases.items())
 
             best = min(((s, w, 1) for s, w in sorted(common)), key=worst)
-            with_min = min(((s, w, m) for s, w in sorted(common) for m in MIN_SPLIT_TILES), key=worst)
+            with_min = min(((s, w, m) for s, w in sorted(common) for m in MIN_SPLIT_TILES_CANDIDATES), key=worst)
             if worst(with_min) * MIN_TILES_MARGIN < worst(best):
                 best = with_min
             chosen.setdefault(scheme, {})[programs] = {
