@@ -574,10 +574,10 @@ class DecodePlan(NamedTuple):
 # batch size only, for a model and device, so every CUDA graph (captured per batch size) keeps its grid. Measured on
 # the H200 at each scheme's launches (tools/device/sweep_splits.py; `--apply` writes this table).
 DECODE_SPLITS = {
-    "int4_kivi": ((0.043, 64, False, 1), (0.343, 32, False, 1), (0.686, 16, False, 1), (1.371, 8, False, 1),
+    "int4_kivi": ((0.043, 64, False, 1), (0.343, 32, False, 1), (0.686, 16, False, 2), (1.371, 16, False, 4),
                   (5.485, 2, False, 1), (math.inf, 1, False, 1)),
-    "int4_saw": ((0.043, 64, False, 1), (0.121, 32, False, 1), (0.343, 16, False, 1), (0.686, 8, False, 1),
-                 (1.371, 4, False, 1), (2.743, 2, False, 1), (math.inf, 1, False, 1)),
+    "int4_saw": ((0.043, 64, False, 1), (0.121, 32, False, 1), (0.343, 16, False, 1), (0.686, 8, False, 2),
+                 (1.371, 8, False, 4), (2.743, 2, False, 1), (math.inf, 1, False, 1)),
 }
 
 

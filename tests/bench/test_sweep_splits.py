@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from tools.device import sweep_splits
@@ -48,10 +49,11 @@ def test_choose_minimizes_the_worst_slowdown_over_contexts_per_scheme():
     chosen = sweep_splits.choose_splits(measured)
     kivi = chosen["int4_kivi"][32 * 4]  # keyed by KV-head programs: batch x 4 KV heads
     # split counts alone: 8 worst 500/450 = 1.11x; 32: 150/90 = 1.67x; 4: 600/450 = 1.33x. But 32 splits of at least
-    # 4 tiles run 8 live splits at 4k (32 tiles) and 32 at 32k (256): the fastest count at both
+    # 4 tiles run 8 live splits at 4k (32 tiles) and 32 at 32k (256): the fastest count at both, the 4k one estimated
+    # with the margin for its empty splits
     assert (kivi["splits"], kivi["warp_split"], kivi["min_split_tiles"]) == (32, False, 4)
-    assert kivi["worst"] == pytest.approx(1.0)
-    assert kivi["cases"][("qwen2.5-7b", 4096)] == (90.0, 90.0)
+    assert kivi["worst"] == pytest.approx(sweep_splits.MIN_TILES_MARGIN)
+    assert kivi["cases"][("qwen2.5-7b", 4096)] == (pytest.approx(90.0 * sweep_splits.MIN_TILES_MARGIN), 90.0)
     assert chosen["int4_saw"][128]["splits"] == 4
     assert set(chosen) == {"int4_kivi", "int4_saw"}
 
@@ -161,20 +163,67 @@ def test_committed_rows_prefer_the_timed_committed_plan():
 
 
 def test_choose_estimates_min_split_tiles_from_the_counts_measured():
-    # 1k (8 tiles) is fastest at 1 split, 32k (256 tiles) at 8: 8 splits of at least 8 tiles runs 1 split at 1k and
-    # 8 at 32k, estimated at those counts' times
-    measured = rows({("int4_saw", 1024): {1: 50.0, 2: 55.0, 8: 80.0},
+    # 1k (8 tiles) is fastest at 1 split, 32k (256 tiles) at 8: 8 splits of at least 4 tiles runs 2 splits at 1k and
+    # 8 at 32k, estimated at those counts' times (with the margin where splits are left empty)
+    measured = rows({("int4_saw", 1024): {1: 50.0, 2: 52.0, 8: 80.0},
                      ("int4_saw", 32768): {1: 900.0, 2: 600.0, 8: 400.0}}, batch=64)
     for r in measured:
         r["tile"] = 128
     pick = sweep_splits.choose_splits(measured)["int4_saw"][256]
-    assert (pick["splits"], pick["warp_split"], pick["min_split_tiles"]) == (8, False, 8)
-    assert pick["worst"] == pytest.approx(1.0)
-    assert pick["cases"][("qwen2.5-7b", 1024)] == (50.0, 50.0)
+    assert (pick["splits"], pick["warp_split"], pick["min_split_tiles"]) == (8, False, 4)
+    margin = sweep_splits.MIN_TILES_MARGIN
+    assert pick["worst"] == pytest.approx(52 * margin / 50)
+    assert pick["cases"][("qwen2.5-7b", 1024)] == (pytest.approx(52 * margin), 50.0)
     # without a gain beyond the margin for the unmeasured empty splits, the plain split count stands
-    close = rows({("int4_saw", 1024): {1: 50.0, 8: 51.0}, ("int4_saw", 32768): {1: 900.0, 8: 400.0}}, batch=64)
+    close = rows({("int4_saw", 1024): {1: 50.0, 2: 51.0, 8: 52.0}, ("int4_saw", 32768): {1: 900.0, 2: 600.0, 8: 400.0}},
+                 batch=64)
     pick = sweep_splits.choose_splits(close)["int4_saw"][256]
     assert (pick["splits"], pick["min_split_tiles"]) == (8, 1)
+
+
+def test_choose_never_estimates_one_live_split_from_the_unsplit_time():
+    # 8 splits of at least 8 tiles leave 1 live split at 1k, but the plan still writes the workspace and merges:
+    # the one-split candidate's 50 us is no estimate of it, so the plan whose 1k runs 2 live splits is chosen
+    measured = rows({("int4_saw", 1024): {1: 50.0, 2: 60.0, 8: 80.0},
+                     ("int4_saw", 32768): {1: 900.0, 2: 600.0, 8: 400.0}}, batch=64)
+    pick = sweep_splits.choose_splits(measured)["int4_saw"][256]
+    assert (pick["splits"], pick["min_split_tiles"]) == (8, 4)
+    assert pick["cases"][("qwen2.5-7b", 1024)] == (pytest.approx(60 * sweep_splits.MIN_TILES_MARGIN), 50.0)
+
+
+def test_choose_takes_the_committed_plans_measured_time_over_its_estimate():
+    # the committed 8/4 was timed at 1k: 70 us, not the 2-split estimate of 52 (x margin); 8/2 (4 live at 1k) is
+    # then better
+    measured = rows({("int4_saw", 1024): {1: 50.0, 2: 52.0, 4: 55.0, 8: 80.0},
+                     ("int4_saw", 32768): {1: 900.0, 2: 600.0, 4: 500.0, 8: 400.0}}, batch=64)
+    measured.append(dict(measured[0], splits=8, min_split_tiles=4, committed=True, us=70.0))
+    pick = sweep_splits.choose_splits(measured)["int4_saw"][256]
+    assert (pick["splits"], pick["min_split_tiles"]) == (8, 2)
+    assert pick["cases"][("qwen2.5-7b", 1024)] == (pytest.approx(55 * sweep_splits.MIN_TILES_MARGIN), 50.0)
+
+
+def test_choose_gives_one_split_no_minimum():
+    # one split takes every tile: a minimum would only pick between two timings of the same plan
+    measured = rows({("int4_saw", 4096): {1: 50.0, 2: 60.0}}, batch=256)
+    measured.append(dict(measured[0], committed=True, min_split_tiles=1, us=52.0))
+    pick = sweep_splits.choose_splits(measured)["int4_saw"][1024]
+    assert (pick["splits"], pick["min_split_tiles"]) == (1, 1)
+    assert pick["cases"][("qwen2.5-7b", 4096)] == (52.0, 50.0)
+
+
+def test_choose_reads_several_sweeps_the_later_replacing_the_earlier(tmp_path, capsys, monkeypatch):
+    older = rows({("int4_saw", 4096): {1: 100.0, 2: 90.0}}, batch=256) + \
+        rows({("int4_saw", 4096): {1: 30.0, 2: 40.0}}, batch=8)
+    newer = rows({("int4_saw", 4096): {1: 80.0, 2: 95.0}}, batch=256)
+    paths = [tmp_path / "older.json", tmp_path / "newer.json"]
+    for path, data in zip(paths, (older, newer)):
+        path.write_text(json.dumps(data))
+    monkeypatch.setattr(sys, "argv", ["sweep_splits", "--choose", *map(str, paths)])
+    assert sweep_splits.main() == 0
+    printed = capsys.readouterr().out
+    # batch 256 (1024 KV-head programs) by the newer sweep, batch 8 (32) by the older one, which the newer lacks
+    assert "int4_saw at 1024 KV-head programs: 1 splits on DECODE_LAUNCH, worst case 1.00x" in printed
+    assert "int4_saw at 32 KV-head programs: 1 splits on DECODE_LAUNCH, worst case 1.00x" in printed
 
 
 def test_each_case_times_every_count_on_each_launch_then_the_committed_plan():

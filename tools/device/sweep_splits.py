@@ -18,6 +18,7 @@ Printed after a sweep, or from a saved one with ``--choose``; ``--apply`` writes
 DECODE_SPLITS.
 
     python -m tools.device.sweep_splits --choose DIR/sweep_splits.json --apply
+    python -m tools.device.sweep_splits --choose OLDER/sweep_splits.json DIR/sweep_splits.json   # cases DIR lacks
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ MAX_PROGRAMS_PER_SM = 64
 SPLIT_MAX_REL_DIFF = 0.1
 # A candidate's min_split_tiles (DecodePlan) is estimated, not timed: at each case it leaves some splits empty, so
 # its time is taken as the time measured at exactly the live split count (a candidate leaving a count not measured
-# is out), without the empty splits' programs (which exit at once). Such a candidate must beat the best one without
-# it by this factor to be chosen; every sweep also times the committed plan in each case (rows marked "committed"),
-# so the next sweep checks the estimate.
+# is out), times this factor for the empty splits' programs and the merge over the wider grid (measured 2-5% at 1k).
+# One live split is out too: the plan still writes the workspace and runs the merge kernel, which the one-split
+# candidate does not (measured 5-9 us more at 1k). Every sweep also times the committed plan in each case (rows
+# marked "committed"); where a candidate is that plan, its measured time replaces the estimate.
 MIN_TILES_MARGIN = 1.03
 MIN_SPLIT_TILES_CANDIDATES = tuple(1 << i for i in range(9))
 
@@ -80,10 +82,15 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
 
     groups: dict[str, dict[int, dict[tuple, dict[tuple[int, bool], float]]]] = {}
     tiles: dict[tuple[str, bool], int] = {}
+    timed_plans: dict[tuple, float] = {}  # (scheme, programs, shape, context, DecodePlan) -> its time as committed
     for r in rows:
-        if r.get("us") is None or r["method"] not in SCHEMES or r.get("committed"):
+        if r.get("us") is None or r["method"] not in SCHEMES:
             continue
         programs = r["batch"] * bk.SHAPES[r["shape"]][1]
+        if r.get("committed"):
+            plan = DecodePlan(r["splits"], r.get("warp_split", False), r.get("min_split_tiles", 1))
+            timed_plans[(r["method"], programs, r["shape"], r["context"], plan)] = r["us"]
+            continue
         cases = groups.setdefault(r["method"], {}).setdefault(programs, {})
         launch = (r["method"], r.get("warp_split", False))
         cases.setdefault((r["shape"], r["context"]), {})[(r["splits"], launch[1])] = r["us"]
@@ -97,19 +104,22 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
 
             def estimate(candidate, case, times):
                 plan = DecodePlan(*candidate)
+                if (scheme, programs, *case, plan) in timed_plans:
+                    return timed_plans[(scheme, programs, *case, plan)]
                 num_tiles = math.ceil(case[1] / tiles[(scheme, plan.warp_split)])
                 live = plan.live_splits(num_tiles)
                 if live == plan._replace(min_split_tiles=1).live_splits(num_tiles):
                     return times[(plan.splits, plan.warp_split)]
-                return times.get((live, plan.warp_split), math.inf)  # a live count not measured: no estimate
+                if live == 1:  # merged all the same: not the one-split candidate's time (MIN_TILES_MARGIN)
+                    return math.inf
+                # a live count not measured: no estimate
+                return times.get((live, plan.warp_split), math.inf) * MIN_TILES_MARGIN
 
             def worst(candidate):
                 return max(estimate(candidate, c, t) / min(t.values()) for c, t in cases.items())
 
-            best = min(((s, w, 1) for s, w in sorted(common)), key=worst)
-            with_min = min(((s, w, m) for s, w in sorted(common) for m in MIN_SPLIT_TILES_CANDIDATES), key=worst)
-            if worst(with_min) * MIN_TILES_MARGIN < worst(best):
-                best = with_min
+            best = min(((s, w, m) for s, w in sorted(common) for m in (MIN_SPLIT_TILES_CANDIDATES if s > 1 else (1,))),
+                       key=worst)  # one split takes every tile, whatever its minimum
             chosen.setdefault(scheme, {})[programs] = {
                 "splits": best[0], "warp_split": best[1], "min_split_tiles": best[2], "worst": worst(best),
                 "cases": {c: (estimate(best, c, t), min(t.values())) for c, t in cases.items()}}
@@ -171,7 +181,8 @@ def apply_split_tables(source: str, tables: dict[str, tuple]) -> str:
 def committed_rows(rows: list[dict]) -> list[dict]:
     """A sweep's measured FA3 rows and, per scheme and case, the row of the plan kernels/attention.py's DECODE_SPLITS
     picks (what the backend runs), as bench_kernels' decode rows (method, ms, gbps), for plot_kernels: its
-    "committed" row, or in a sweep without those, the split count it times alike (min_split_tiles 1)."""
+    "committed" row, or in a sweep without those, the row of its split count and launch (its min_split_tiles
+    not applied)."""
     from s4kv.kernels.attention import DECODE_SPLITS, DecodePlan, decode_plan
 
     timed = {(r["shape"], r["batch"], r["context"], r["method"]) for r in rows if r.get("committed")}
@@ -184,7 +195,7 @@ def committed_rows(rows: list[dict]) -> list[dict]:
             if (r["shape"], r["batch"], r["context"], r["method"]) in timed:
                 if not r.get("committed"):
                     continue
-            elif DecodePlan(r["splits"], r.get("warp_split", False)) != plan:
+            elif DecodePlan(r["splits"], r.get("warp_split", False)) != plan._replace(min_split_tiles=1):
                 continue
         picked.append({"shape": r["shape"], "batch": r["batch"], "context": r["context"], "method": r["method"],
                        "ms": r["us"] / 1e3, "gbps": r["gbps"]})
@@ -341,11 +352,13 @@ def main() -> int:
     parser.add_argument("--batches", default=DEFAULT_BATCHES)
     parser.add_argument("--contexts", default=DEFAULT_CONTEXTS)
     parser.add_argument("--budget-s", type=float, default=180, help="start no new case after this many seconds")
-    parser.add_argument("--choose", type=Path, metavar="SWEEP_JSON", help="print the split count per batch (no GPU)")
+    parser.add_argument("--choose", type=Path, nargs="+", metavar="SWEEP_JSON",
+                        help="print the split count per batch (no GPU); of several sweeps, a later one's time of a "
+                             "candidate replaces an earlier one's")
     parser.add_argument("--apply", action="store_true", help="write the chosen table into DECODE_SPLITS")
     args = parser.parse_args()
     if args.choose:
-        rows = json.loads(args.choose.read_text())
+        rows = [row for path in args.choose for row in json.loads(path.read_text())]
     else:
         if not torch.cuda.is_available():
             raise SystemExit("sweep_splits.py needs a CUDA GPU (or --choose SWEEP_JSON)")
