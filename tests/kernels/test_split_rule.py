@@ -25,6 +25,7 @@ def test_every_scheme_has_an_ordered_table_that_ends_unbounded(scheme_name):
     plans = [DecodePlan(*entry[1:]) for entry in table]
     for plan in plans:  # the merge kernel tiles splits by a power of 2
         assert plan.splits >= 1 and plan.splits & (plan.splits - 1) == 0 and plan.min_split_tiles >= 1
+        assert plan.warp_split_from >= 0 and (plan.warp_split or plan.warp_split_from == 0)
     for launch in (False, True):  # on one launch, a larger batch never gets more splits
         splits = [plan.splits for plan in plans if plan.warp_split == launch]
         assert splits == sorted(splits, reverse=True)
@@ -143,3 +144,14 @@ def test_min_split_tiles_fill_fewer_splits_for_short_contexts(gen, kernel_device
     the output is the same attention."""
     monkeypatch.setitem(DECODE_SPLITS, scheme_name, ((math.inf, 16, warp_split, 4),))
     assert decode_with_rule(gen, kernel_device, scheme_name, 8) == DecodePlan(16, warp_split, 4)
+
+
+@pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+@pytest.mark.parametrize("min_split_tiles", [1, 4])
+def test_warp_split_from_chooses_the_loop_per_sequence(gen, kernel_device, monkeypatch, min_split_tiles):
+    """A plan's warp_split_from: in one launch, the batch of eight's contexts of 300 tokens and more take the
+    warp-split loop and the shorter ones the tile loop, and every one is the same attention."""
+    monkeypatch.setitem(DECODE_SPLITS, "int4_saw", ((math.inf, 16, True, min_split_tiles, 300),))
+    assert decode_with_rule(gen, kernel_device, "int4_saw", 8) == DecodePlan(16, True, min_split_tiles, 300)
+    assert {context + 1 >= 300 for context, _ in RULE_CASES[8]} == {True, False}  # seq_len: context + this token
