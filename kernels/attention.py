@@ -500,29 +500,17 @@ def _paged_attention_kernel(
 
         last_tile = tl.minimum(num_tiles, first_tile + tiles_per_split)
 
-        if WARP_SPLIT and WARP_SPLIT_FROM == 0:
+        warp_loop = WARP_SPLIT
+        if WARP_SPLIT and WARP_SPLIT_FROM > 0:
+            # the loop per sequence: from WARP_SPLIT_FROM tokens of context the warp-split loop, which is faster on
+            # long contexts, below it the tile loop, faster on short ones (both at this launch's shape)
+            warp_loop = seq_len >= WARP_SPLIT_FROM
+        if warp_loop:
             m_i, l_i, acc_lo, acc_hi, acc_min = _attend_warp_split(
                 first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, seq, seq_len, kv_head, qk_scale, cache_u8_ptr,
                 cache_f16_ptr, block_table_ptr, block_table_stride, stride_block, stride_head, TILE, WARPS,
                 BLOCK_SIZE, BLOCK_M, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF,
                 PAIRED_PARAMS)
-        elif WARP_SPLIT:
-            # the loop per sequence: from WARP_SPLIT_FROM tokens of context the warp-split loop, which is faster on
-            # long contexts, below it the tile loop, faster on short ones (both at this launch's shape)
-            if seq_len >= WARP_SPLIT_FROM:
-                m_i, l_i, acc_lo, acc_hi, acc_min = _attend_warp_split(
-                    first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, seq, seq_len, kv_head, qk_scale,
-                    cache_u8_ptr, cache_f16_ptr, block_table_ptr, block_table_stride, stride_block, stride_head, TILE,
-                    WARPS, BLOCK_SIZE, BLOCK_M, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16, CODE_BIAS_BITS,
-                    CODE_BIAS, HALF, PAIRED_PARAMS)
-            else:
-                m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tiles(
-                    first_tile, last_tile, first_own_block, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live,
-                    q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
-                    block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
-                    new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot, BLOCK_M, TILE,
-                    BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16, CODE_BIAS_BITS,
-                    CODE_BIAS, HALF, PAIRED_PARAMS)
         else:
             m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tiles(
                 first_tile, last_tile, first_own_block, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
