@@ -599,6 +599,11 @@ class DecodePlan(NamedTuple):
         """The splits a sequence of ``num_tiles`` tiles fills (what the kernels' _live_splits computes)."""
         return -(-num_tiles // max(-(-num_tiles // self.splits), self.min_split_tiles))
 
+    def warp_loop(self, seq_len: int) -> bool:
+        """Whether a sequence of ``seq_len`` tokens runs the warp-split loop (what the kernel's WARP_SPLIT_FROM test
+        decides)."""
+        return self.warp_split and seq_len >= self.warp_split_from
+
 
 # Split-KV decode per scheme, by the KV-head programs per SM a batch gives unsplit (num_seqs * num_kv_heads / SMs):
 # (up to this many per SM, splits, warp split, min split tiles[, warp split from]) (DecodePlan's fields), first

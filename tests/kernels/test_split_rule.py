@@ -67,6 +67,12 @@ def test_live_splits_follow_the_plan():
     assert DecodePlan(1, True, 1).live_splits(256) == 1
 
 
+def test_warp_loop_follows_the_plan():
+    assert not DecodePlan(8).warp_loop(32768)  # the tile loop
+    assert DecodePlan(8, True).warp_loop(1)  # every sequence
+    assert [DecodePlan(8, True, 1, 4096).warp_loop(n) for n in (4095, 4096, 32768)] == [False, True, True]
+
+
 def test_workspace_refuses_a_batch_above_max_num_seqs():
     ws = SplitWorkspace.allocate(8, 2, 128, "cpu", "int4_saw", max_num_seqs=16)
     with pytest.raises(ValueError, match="max_num_seqs 16"):

@@ -89,8 +89,7 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
     """Every launch the backend makes, once per head_dim, scheme and query dtype (compile_only records them): at
     head_dim 128 with every attention code path (attention.CODE_PATHS, which the benchmark and tuning tools sweep),
     at head_dim 64 the backend's own launches; int4_saw's warp-split decode, alone and chosen per sequence; int4_kivi's
-    store and attention with
-    its staging pool (kernels/staging.py), and its own-key gather."""
+    store and attention with its staging pool (kernels/staging.py), and its own-key gather."""
     from s4kv.kernels import attention
     from s4kv.kernels.dense import gather_dense_kv, gather_own_keys
     from s4kv.kernels.layout import KIVI_BLOCK_SIZE, cache_shape

@@ -55,7 +55,6 @@ SPLIT_MAX_REL_DIFF = 0.1
 # plan in each case (rows marked "committed"); where a candidate is that plan, its measured time replaces the
 # estimate.
 ESTIMATE_MARGIN = 1.03
-PLAN_FIELDS = (("splits", 1), ("warp_split", False), ("min_split_tiles", 1), ("warp_split_from", 0))  # a row's plan
 MIN_SPLIT_TILES_CANDIDATES = tuple(1 << i for i in range(9))
 
 
@@ -67,6 +66,13 @@ def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
     programs = batch * num_kv_heads
     fits = [s for s in counts if programs * s <= MAX_PROGRAMS_PER_SM * num_sms]
     return [s for s in fits if 4 * programs * s >= num_sms] or fits[-1:] or [1]
+
+
+def row_plan(row: dict):
+    """The DecodePlan a sweep row timed (its fields that the row holds, DecodePlan's defaults for the rest)."""
+    from s4kv.kernels.attention import DecodePlan
+
+    return DecodePlan(**{field: row[field] for field in DecodePlan._fields if field in row})
 
 
 def launch_tile(scheme_name: str, warp_split: bool) -> int:
@@ -94,9 +100,7 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
             continue
         programs = r["batch"] * bk.SHAPES[r["shape"]][1]
         if r.get("committed"):
-            plan = DecodePlan(r["splits"], r.get("warp_split", False), r.get("min_split_tiles", 1),
-                              r.get("warp_split_from", 0))
-            timed_plans[(r["method"], programs, r["shape"], r["context"], plan)] = r["us"]
+            timed_plans[(r["method"], programs, r["shape"], r["context"], row_plan(r))] = r["us"]
             continue
         cases = groups.setdefault(r["method"], {}).setdefault(programs, {})
         launch = (r["method"], r.get("warp_split", False))
@@ -113,7 +117,7 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
                 plan = DecodePlan(*candidate)
                 if (scheme, programs, *case, plan) in timed_plans:
                     return timed_plans[(scheme, programs, *case, plan)]
-                warp_split = plan.warp_split and case[1] >= plan.warp_split_from  # the loop this context takes
+                warp_split = plan.warp_loop(case[1])  # the loop this context takes
                 margin = ESTIMATE_MARGIN if plan.warp_split_from else 1.0
                 num_tiles = math.ceil(case[1] / tiles[(scheme, warp_split)])
                 live = plan.live_splits(num_tiles)
@@ -211,8 +215,7 @@ def committed_rows(rows: list[dict]) -> list[dict]:
             if (r["shape"], r["batch"], r["context"], r["method"]) in timed:
                 if not r.get("committed"):
                     continue
-            elif (r["splits"], r.get("warp_split", False)) != \
-                    (plan.splits, plan.warp_split and r["context"] >= plan.warp_split_from):
+            elif (r["splits"], r.get("warp_split", False)) != (plan.splits, plan.warp_loop(r["context"])):
                 continue
         picked.append({"shape": r["shape"], "batch": r["batch"], "context": r["context"], "method": r["method"],
                        "ms": r["us"] / 1e3, "gbps": r["gbps"]})
@@ -360,7 +363,7 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
         del cache
         torch.cuda.empty_cache()
     line = " ".join(f"{r['method']}/{'committed ' if r.get('committed') else ''}"
-                    f"{candidate_name(*(r.get(k, d) for k, d in PLAN_FIELDS))}"
+                    f"{candidate_name(*row_plan(r))}"
                     f":{r['us']:,.0f}" for r in rows if r.get("us"))
     print(f"{shape} b={batch} ctx={context}: {line}", flush=True)
     return rows
