@@ -82,8 +82,7 @@ DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=5, 
                  "int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=False, ptx_unpack=True,
                                           paired_param_loads=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
-# the decode launch of the batch sizes DECODE_SPLITS marks for the warp-split loop (LaunchConfig.warp_split); with a
-# warp_split_from (DecodePlan) it runs the tile loop for the shorter contexts, so both loops share its shape
+# the decode launch of the batch sizes DECODE_SPLITS marks for the warp-split loop (LaunchConfig.warp_split)
 WARP_SPLIT_LAUNCH = {"int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=False,
                                               ptx_unpack=True, paired_param_loads=True, warp_split=True)}
 
@@ -329,48 +328,6 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
 
 
 @triton.jit
-def _attend_tiles(first_tile, last_tile, first_own_block, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
-                  seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
-                  block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
-                  new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                  BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  IS_KIVI: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
-                  CODE_SCALE: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
-                  CODE_BIAS: tl.constexpr, HALF: tl.constexpr, PAIRED: tl.constexpr):
-    """Tiles [first_tile, last_tile) through _attend_tile, all warps on each tile. Returns (m, l, acc_lo, acc_hi,
-    acc_min), unscaled by CODE_SCALE."""
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
-    acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
-    acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
-    # int4_kivi: the tiles before the program's own blocks in a loop of their own, per channel only, so the
-    # own-block path (original keys, a second score matrix) costs neither registers nor branches there
-    own_tile = last_tile
-    if IS_KIVI:
-        own_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
-    for tile in range(first_tile, own_tile):
-        m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-            tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
-            seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
-            block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
-            new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-            False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-            CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED)
-    # not pipelined: its original-key tiles are 16-bit, and buffering them in shared memory (num_stages) would
-    # take the shared memory that lets a second program share the SM (occupancy) for at most a tile or two
-    for tile in tl.range(own_tile, last_tile, num_stages=1):
-        m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-            tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
-            seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
-            block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
-            new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-            True, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-            CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED)
-    return m_i, l_i, acc_lo, acc_hi, acc_min
-
-
-@triton.jit
 def _attend_warp_split(first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, seq, seq_len, kv_head, qk_scale,
                        cache_u8_ptr, cache_f16_ptr, block_table_ptr, block_table_stride, stride_block, stride_head,
                        TILE: tl.constexpr, WARPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -452,7 +409,6 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
     PAIRED_PARAMS: tl.constexpr, WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
-    WARP_SPLIT_FROM: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -500,25 +456,41 @@ def _paged_attention_kernel(
 
         last_tile = tl.minimum(num_tiles, first_tile + tiles_per_split)
 
-        warp_loop = WARP_SPLIT
-        if WARP_SPLIT and WARP_SPLIT_FROM > 0:
-            # the loop per sequence: from WARP_SPLIT_FROM tokens of context the warp-split loop, which is faster on
-            # long contexts, below it the tile loop, faster on short ones (both at this launch's shape)
-            warp_loop = seq_len >= WARP_SPLIT_FROM
-        if warp_loop:
+        if WARP_SPLIT:
             m_i, l_i, acc_lo, acc_hi, acc_min = _attend_warp_split(
                 first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, seq, seq_len, kv_head, qk_scale, cache_u8_ptr,
                 cache_f16_ptr, block_table_ptr, block_table_stride, stride_block, stride_head, TILE, WARPS,
                 BLOCK_SIZE, BLOCK_M, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF,
                 PAIRED_PARAMS)
         else:
-            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tiles(
-                first_tile, last_tile, first_own_block, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
-                seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
-                block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
-                new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot, BLOCK_M, TILE, BLOCK_SIZE,
-                BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF,
-                PAIRED_PARAMS)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
+            acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+            acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
+            # int4_kivi: the tiles before the program's own blocks in a loop of their own, per channel only, so the
+            # own-block path (original keys, a second score matrix) costs neither registers nor branches there
+            own_tile = last_tile
+            if IS_KIVI:
+                own_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
+            for tile in range(first_tile, own_tile):
+                m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
+                    seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
+                    block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
+                    new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
+                    False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
+                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
+            # not pipelined: its original-key tiles are 16-bit, and buffering them in shared memory (num_stages) would
+            # take the shared memory that lets a second program share the SM (occupancy) for at most a tile or two
+            for tile in tl.range(own_tile, last_tile, num_stages=1):
+                m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
+                    seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
+                    block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
+                    new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
+                    True, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
+                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * CODE_SCALE + acc_min[:, None]
 
@@ -586,30 +558,21 @@ class DecodePlan(NamedTuple):
     """How a decode batch runs. ``splits``: the split count (the grid's third axis); ``warp_split``: the scheme's
     WARP_SPLIT_LAUNCH instead of DECODE_LAUNCH; ``min_split_tiles``: the fewest tiles a split takes, so a context of
     fewer than splits x min_split_tiles tiles fills fewer splits (the rest exit at once): the split count a sequence
-    gets follows its context inside the batch's fixed grid; ``warp_split_from`` (with warp_split): the fewest tokens
-    of context a sequence takes the warp-split loop from, a shorter one taking the tile loop in the same launch (0:
-    every sequence the warp-split loop)."""
+    gets follows its context inside the batch's fixed grid."""
 
     splits: int
     warp_split: bool = False
     min_split_tiles: int = 1
-    warp_split_from: int = 0
 
     def live_splits(self, num_tiles: int) -> int:
         """The splits a sequence of ``num_tiles`` tiles fills (what the kernels' _live_splits computes)."""
         return -(-num_tiles // max(-(-num_tiles // self.splits), self.min_split_tiles))
 
-    def warp_loop(self, seq_len: int) -> bool:
-        """Whether a sequence of ``seq_len`` tokens runs the warp-split loop (what the kernel's WARP_SPLIT_FROM test
-        decides)."""
-        return self.warp_split and seq_len >= self.warp_split_from
-
 
 # Split-KV decode per scheme, by the KV-head programs per SM a batch gives unsplit (num_seqs * num_kv_heads / SMs):
-# (up to this many per SM, splits, warp split, min split tiles[, warp split from]) (DecodePlan's fields), first
-# match. A function of the batch size only, for a model and device, so every CUDA graph (captured per batch size)
-# keeps its grid. Measured on the H200 at each scheme's launches (tools/device/sweep_splits.py; `--apply` writes this
-# table).
+# (up to this many per SM, splits, warp split, min split tiles) (DecodePlan's fields), first match. A function of the
+# batch size only, for a model and device, so every CUDA graph (captured per batch size) keeps its grid. Measured on
+# the H200 at each scheme's launches (tools/device/sweep_splits.py; `--apply` writes this table).
 DECODE_SPLITS = {
     "int4_kivi": ((0.043, 64, False, 1), (0.343, 32, False, 1), (0.686, 16, False, 2), (1.371, 16, False, 4),
                   (5.485, 2, False, 1), (math.inf, 1, False, 1)),
@@ -769,7 +732,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
         PAIRED_PARAMS=launch.paired_param_loads, WARP_SPLIT=launch.warp_split, WARPS=launch.num_warps,
-        MIN_SPLIT_TILES=plan.min_split_tiles, WARP_SPLIT_FROM=plan.warp_split_from if launch.warp_split else 0,
+        MIN_SPLIT_TILES=plan.min_split_tiles,
         **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **compiler_options,
     )

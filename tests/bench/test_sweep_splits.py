@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import pytest
@@ -53,8 +52,8 @@ def test_choose_minimizes_the_worst_slowdown_over_contexts_per_scheme():
     # 4 tiles run 8 live splits at 4k (32 tiles) and 32 at 32k (256): the fastest count at both, the 4k one estimated
     # with the margin for its empty splits
     assert (kivi["splits"], kivi["warp_split"], kivi["min_split_tiles"]) == (32, False, 4)
-    assert kivi["worst"] == pytest.approx(sweep_splits.ESTIMATE_MARGIN)
-    assert kivi["cases"][("qwen2.5-7b", 4096)] == (pytest.approx(90.0 * sweep_splits.ESTIMATE_MARGIN), 90.0)
+    assert kivi["worst"] == pytest.approx(sweep_splits.MIN_TILES_MARGIN)
+    assert kivi["cases"][("qwen2.5-7b", 4096)] == (pytest.approx(90.0 * sweep_splits.MIN_TILES_MARGIN), 90.0)
     assert chosen["int4_saw"][128]["splits"] == 4
     assert set(chosen) == {"int4_kivi", "int4_saw"}
 
@@ -172,7 +171,7 @@ def test_choose_estimates_min_split_tiles_from_the_counts_measured():
         r["tile"] = 128
     pick = sweep_splits.choose_splits(measured)["int4_saw"][256]
     assert (pick["splits"], pick["warp_split"], pick["min_split_tiles"]) == (8, False, 4)
-    margin = sweep_splits.ESTIMATE_MARGIN
+    margin = sweep_splits.MIN_TILES_MARGIN
     assert pick["worst"] == pytest.approx(52 * margin / 50)
     assert pick["cases"][("qwen2.5-7b", 1024)] == (pytest.approx(52 * margin), 50.0)
     # without a gain beyond the margin for the unmeasured empty splits, the plain split count stands
@@ -189,7 +188,7 @@ def test_choose_never_estimates_one_live_split_from_the_unsplit_time():
                      ("int4_saw", 32768): {1: 900.0, 2: 600.0, 8: 400.0}}, batch=64)
     pick = sweep_splits.choose_splits(measured)["int4_saw"][256]
     assert (pick["splits"], pick["min_split_tiles"]) == (8, 4)
-    assert pick["cases"][("qwen2.5-7b", 1024)] == (pytest.approx(60 * sweep_splits.ESTIMATE_MARGIN), 50.0)
+    assert pick["cases"][("qwen2.5-7b", 1024)] == (pytest.approx(60 * sweep_splits.MIN_TILES_MARGIN), 50.0)
 
 
 def test_choose_takes_the_committed_plans_measured_time_over_its_estimate():
@@ -200,7 +199,7 @@ def test_choose_takes_the_committed_plans_measured_time_over_its_estimate():
     measured.append(dict(measured[0], splits=8, min_split_tiles=4, committed=True, us=70.0))
     pick = sweep_splits.choose_splits(measured)["int4_saw"][256]
     assert (pick["splits"], pick["min_split_tiles"]) == (8, 2)
-    assert pick["cases"][("qwen2.5-7b", 1024)] == (pytest.approx(55 * sweep_splits.ESTIMATE_MARGIN), 50.0)
+    assert pick["cases"][("qwen2.5-7b", 1024)] == (pytest.approx(55 * sweep_splits.MIN_TILES_MARGIN), 50.0)
 
 
 def test_choose_gives_one_split_no_minimum():
@@ -210,40 +209,6 @@ def test_choose_gives_one_split_no_minimum():
     pick = sweep_splits.choose_splits(measured)["int4_saw"][1024]
     assert (pick["splits"], pick["min_split_tiles"]) == (1, 1)
     assert pick["cases"][("qwen2.5-7b", 4096)] == (52.0, 50.0)
-
-
-def test_choose_picks_the_loop_per_sequence_where_each_loop_wins_at_some_contexts():
-    # the tile loop is faster at 1k, the warp-split loop at 4k-32k: from 4k on the warp-split loop, in one kernel
-    tile = {("int4_saw", 1024): {1: 100.0}, ("int4_saw", 4096): {1: 300.0}, ("int4_saw", 32768): {1: 2000.0}}
-    warp = {("int4_saw", 1024): {1: 120.0}, ("int4_saw", 4096): {1: 280.0}, ("int4_saw", 32768): {1: 1800.0}}
-    measured = rows(tile, batch=256) + rows(warp, batch=256, warp_split=True)
-    pick = sweep_splits.choose_splits(measured)["int4_saw"][1024]
-    assert (pick["splits"], pick["warp_split"], pick["min_split_tiles"], pick["warp_split_from"]) == (1, True, 1, 4096)
-    margin = sweep_splits.ESTIMATE_MARGIN
-    assert pick["cases"][("qwen2.5-7b", 1024)] == (pytest.approx(100 * margin), 100.0)
-    assert pick["cases"][("qwen2.5-7b", 32768)] == (pytest.approx(1800 * margin), 1800.0)
-    # the table carries the fifth field, and the source it writes reads back as the same plans
-    table = sweep_splits.split_table(sweep_splits.choose_splits(measured)["int4_saw"], 132)
-    assert table == ((math.inf, 1, True, 1, 4096),)
-    assert "(math.inf, 1, True, 1, 4096)" in sweep_splits.tables_source({"int4_saw": table})
-    assert sweep_splits.candidate_name(1, True, 1, 4096) == "1 w from 4,096"
-    assert sweep_splits.candidate_name(8, True, 4) == "w8/4"
-    # where one loop wins everywhere (within the margin), no per-sequence plan
-    measured = rows(tile, batch=256) + rows({c: {1: t[1] * 1.02} for c, t in tile.items()}, batch=256,
-                                            warp_split=True)
-    assert sweep_splits.choose_splits(measured)["int4_saw"][1024]["warp_split_from"] == 0
-
-
-def test_committed_rows_take_the_loop_a_per_sequence_plan_runs_at_each_context(monkeypatch):
-    from s4kv.kernels import attention
-
-    monkeypatch.setitem(attention.DECODE_SPLITS, "int4_saw", ((math.inf, 1, True, 1, 4096),))
-    measured = rows({("int4_saw", 1024): {1: 100.0}, ("int4_saw", 4096): {1: 300.0}}, batch=256) + \
-        rows({("int4_saw", 1024): {1: 120.0}, ("int4_saw", 4096): {1: 280.0}}, batch=256, warp_split=True)
-    for r in measured:
-        r["gbps"] = 1.0
-    picked = {r["context"]: r["ms"] for r in sweep_splits.committed_rows(measured) if r["method"] == "int4_saw"}
-    assert picked == {1024: pytest.approx(0.1), 4096: pytest.approx(0.28)}
 
 
 def test_choose_reads_several_sweeps_the_later_replacing_the_earlier(tmp_path, capsys, monkeypatch):
@@ -274,4 +239,4 @@ def test_each_case_times_every_count_on_each_launch_then_the_committed_plan():
     plan = rule.plan(8)
     assert workspace is rule and launch is None  # the backend's own choice of launch
     assert fields == dict(splits=plan.splits, warp_split=plan.warp_split, min_split_tiles=plan.min_split_tiles,
-                          warp_split_from=plan.warp_split_from, tile=128, committed=True)
+                          tile=128, committed=True)

@@ -135,19 +135,3 @@ def test_copies_in_flight_reads_the_pipeline_depth(tmp_path_factory):
     in_flight = {stages: table_row(table, f"int4_kivi bf16 subnormal+ptx {stages}")["copy groups in flight at the wait"]
                  for stages in ("128x4x3", "128x4x5")}
     assert in_flight["128x4x3"] == "0" and int(in_flight["128x4x5"]) > 0, in_flight
-
-
-def test_loop_chosen_per_sequence_costs_no_occupancy(tmp_path_factory):
-    """int4_saw's warp-split launch choosing its loop per sequence (DecodePlan.warp_split_from) holds both loops in
-    one kernel at the occupancy of either alone: no spills, no more registers, the same warps per SM, and its loop
-    still keeps copies in flight."""
-    from s4kv.kernels.attention import WARP_SPLIT_LAUNCH
-
-    table, _ = sass_stats(tmp_path_factory, "int4_saw", "128x4x5", "128x4x5w", "128x4x5w4096")
-    path = code_path_of(WARP_SPLIT_LAUNCH["int4_saw"])
-    tile, warp, both = (table_row(table, f"int4_saw bf16 {path} 128x4x5{suffix}")
-                        for suffix in ("", " warp split", " warp split from 4096"))
-    assert int(both["spill bytes"]) == 0, both
-    assert int(both["registers"]) <= max(int(tile["registers"]), int(warp["registers"])), (tile, warp, both)
-    assert both["warps per SM"] == tile["warps per SM"] == warp["warps per SM"], (tile, warp, both)
-    assert both["copy groups in flight at the wait"] not in ("0", "no wait"), both

@@ -25,7 +25,6 @@ def test_every_scheme_has_an_ordered_table_that_ends_unbounded(scheme_name):
     plans = [DecodePlan(*entry[1:]) for entry in table]
     for plan in plans:  # the merge kernel tiles splits by a power of 2
         assert plan.splits >= 1 and plan.splits & (plan.splits - 1) == 0 and plan.min_split_tiles >= 1
-        assert plan.warp_split_from >= 0 and (plan.warp_split or plan.warp_split_from == 0)
     for launch in (False, True):  # on one launch, a larger batch never gets more splits
         splits = [plan.splits for plan in plans if plan.warp_split == launch]
         assert splits == sorted(splits, reverse=True)
@@ -65,12 +64,6 @@ def test_live_splits_follow_the_plan():
     assert DecodePlan(4, False, 16).live_splits(32) == 2
     assert DecodePlan(16).live_splits(40) == 14  # 3 tiles each: the 14th holds the last one
     assert DecodePlan(1, True, 1).live_splits(256) == 1
-
-
-def test_warp_loop_follows_the_plan():
-    assert not DecodePlan(8).warp_loop(32768)  # the tile loop
-    assert DecodePlan(8, True).warp_loop(1)  # every sequence
-    assert [DecodePlan(8, True, 1, 4096).warp_loop(n) for n in (4095, 4096, 32768)] == [False, True, True]
 
 
 def test_workspace_refuses_a_batch_above_max_num_seqs():
@@ -150,14 +143,3 @@ def test_min_split_tiles_fill_fewer_splits_for_short_contexts(gen, kernel_device
     the output is the same attention."""
     monkeypatch.setitem(DECODE_SPLITS, scheme_name, ((math.inf, 16, warp_split, 4),))
     assert decode_with_rule(gen, kernel_device, scheme_name, 8) == DecodePlan(16, warp_split, 4)
-
-
-@pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning")
-@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
-@pytest.mark.parametrize("min_split_tiles", [1, 4])
-def test_warp_split_from_chooses_the_loop_per_sequence(gen, kernel_device, monkeypatch, min_split_tiles):
-    """A plan's warp_split_from: in one launch, the batch of eight's contexts of 300 tokens and more take the
-    warp-split loop and the shorter ones the tile loop, and every one is the same attention."""
-    monkeypatch.setitem(DECODE_SPLITS, "int4_saw", ((math.inf, 16, True, min_split_tiles, 300),))
-    assert decode_with_rule(gen, kernel_device, "int4_saw", 8) == DecodePlan(16, True, min_split_tiles, 300)
-    assert {context + 1 >= 300 for context, _ in RULE_CASES[8]} == {True, False}  # seq_len: context + this token

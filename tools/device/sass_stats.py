@@ -69,20 +69,18 @@ def own_block_inputs(scheme: Int4Scheme, num_seqs: int, dtype: torch.dtype) -> d
                 sequence_slots=torch.arange(num_seqs, dtype=torch.int32))
 
 
-def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.LaunchConfig, warp_split_from: int = 0):
+def compile_decode(scheme: Int4Scheme, dtype: torch.dtype, launch: attention.LaunchConfig):
     """The split-KV decode kernel (hopper_compile.Compiled) exactly as paged_attention launches it (block 128,
-    GQA 7); ``warp_split_from`` (a warp-split launch): the plan's loop chosen per sequence from that context on."""
+    GQA 7)."""
     num_q_heads, num_seqs = GROUP * NUM_KV_HEADS, 2
     cache = torch.zeros(cache_shape(8, NUM_KV_HEADS, KIVI_BLOCK_SIZE, HEAD_DIM), dtype=torch.uint8)
     q = torch.zeros(num_seqs, num_q_heads, HEAD_DIM, dtype=dtype)
-    workspace = attention.SplitWorkspace.allocate(num_q_heads, NUM_KV_HEADS, HEAD_DIM, "cpu", scheme.name)
-    workspace = replace(workspace, plans=tuple(plan._replace(warp_split_from=warp_split_from)
-                                               for plan in workspace.plans))
     with compile_only() as compiled:
         attention.paged_attention(
             q, cache, torch.zeros(num_seqs, 4, dtype=torch.int32), torch.ones(num_seqs, dtype=torch.int32),
             torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, scheme, torch.empty_like(q),
-            workspace=workspace, launch=launch, **own_block_inputs(scheme, num_seqs, dtype))
+            workspace=attention.SplitWorkspace.allocate(num_q_heads, NUM_KV_HEADS, HEAD_DIM, "cpu", scheme.name),
+            launch=launch, **own_block_inputs(scheme, num_seqs, dtype))
     (kernel,) = [c for c in compiled if c.kernel == "_paged_attention_kernel"]
     return kernel
 
@@ -176,35 +174,28 @@ def classify(opcodes: Counter) -> dict[str, int]:
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parse_launch(text: str) -> tuple[attention.LaunchConfig, int]:
-    """TILExWARPSxSTAGES, e.g. 64x4x3, with a trailing w for the warp-split loop, e.g. 128x4x5w, or w and a context
-    for the loop chosen per sequence from that context on (DecodePlan.warp_split_from), e.g. 128x4x5w4096: the launch
-    (variants() adds the scheme's kept launch options) and the context (0: none)."""
-    shape, warp_split, warp_split_from = text.partition("w")
-    tile, warps, stages = (int(part) for part in shape.split("x"))
-    return (attention.LaunchConfig(tile=tile, num_warps=warps, num_stages=stages, warp_split=bool(warp_split)),
-            int(warp_split_from or 0))
+def parse_launch(text: str) -> attention.LaunchConfig:
+    """TILExWARPSxSTAGES, e.g. 64x4x3, with a trailing w for the warp-split loop, e.g. 128x4x5w (variants() adds
+    the scheme's kept launch options)."""
+    warp_split = text.endswith("w")
+    tile, warps, stages = (int(part) for part in text.removesuffix("w").split("x"))
+    return attention.LaunchConfig(tile=tile, num_warps=warps, num_stages=stages, warp_split=warp_split)
 
 
-def launch_label(launch: attention.LaunchConfig, warp_split_from: int = 0) -> str:
-    """TILExWARPSxSTAGES of a decode launch as the table names it, with " warp split" for that loop (" from C" where
-    it is chosen per sequence)."""
+def launch_label(launch: attention.LaunchConfig) -> str:
+    """TILExWARPSxSTAGES of a decode launch as the table names it, with " warp split" for that loop."""
     tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
-    label = f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
-    return label + (f" from {warp_split_from}" if warp_split_from else "")
+    return f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
 
 
 def variants(scheme_names: list[str], dtypes: list[str], launches: list[str]):
     for name in scheme_names:
         scheme = Int4Scheme(name)
-        parsed = [parse_launch(text) for text in launches]
-        bases = ([(replace(launch, **attention.kept_launch_options(name)), warp_split_from)
-                  for launch, warp_split_from in parsed] or [(launch, 0) for launch in attention.decode_launches(name)])
-        for base, warp_split_from in bases:
+        for base in ([replace(parse_launch(text), **attention.kept_launch_options(name)) for text in launches]
+                     or attention.decode_launches(name)):
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
-                    yield (f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options),
-                           warp_split_from)
+                    yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,21 +203,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", default="int4_kivi,int4_saw")
     parser.add_argument("--dtypes", default="bf16,fp16")
     parser.add_argument("--launches", default="",
-                        help="comma-separated TILExWARPSxSTAGES[w[CONTEXT]] to compare (default: each scheme's "
-                             "decode launches)")
+                        help="comma-separated TILExWARPSxSTAGES to compare (default: each scheme's DECODE_LAUNCH)")
     parser.add_argument("--json", type=Path, help="also write every variant's loop histogram (mnemonics) here")
     args = parser.parse_args(argv)
 
     rows, histograms = [], {}
-    for label, scheme, q_dtype, launch, warp_split_from in variants(args.schemes.split(","), args.dtypes.split(","),
-                                                                     [t for t in args.launches.split(",") if t]):
+    for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(","),
+                                                    [t for t in args.launches.split(",") if t]):
         print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
-        kernel = compile_decode(scheme, q_dtype, launch, warp_split_from)
+        kernel = compile_decode(scheme, q_dtype, launch)
         loop = hottest_loop(*disassemble(kernel.cubin))
         usage = resources(kernel.cubin)
         opcodes = Counter(_opcode(text) for text in loop)
         tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
-        label = f"{label} {launch_label(launch, warp_split_from)}"
+        label = f"{label} {launch_label(launch)}"
         histograms[label] = dict(Counter(_mnemonic(text) for text in loop).most_common())
         codes_per_thread = 2 * tile * 128 / (32 * launch.num_warps)  # K and V codes of one tile, per thread
         occupancy = warps_per_sm(usage["REG"], kernel.shared_bytes, launch.num_warps)

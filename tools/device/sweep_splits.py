@@ -44,17 +44,13 @@ MAX_PROGRAMS_PER_SM = 64
 # |v| / sqrt(context)) and P is rounded to 16 bits against unsigned codes: counts measured 1-4% apart at 4k-32k. A
 # split that dropped or doubled a part of the context is off by tens of percent.
 SPLIT_MAX_REL_DIFF = 0.1
-# Two of a candidate's plan fields (DecodePlan) are estimated, not timed. A min_split_tiles leaves some splits empty at
-# a case: its time is taken as the time measured at exactly the live split count (a candidate leaving a count not
-# measured is out); one live split is out too, as the plan still writes the workspace and runs the merge kernel,
-# which the one-split candidate does not (measured 5-9 us more at 1k). A warp_split_from runs the warp-split loop
-# from that context on and the tile loop below it, in one kernel (the same registers, shared memory and warps per
-# SM as either loop alone: tools/device/sass_stats.py); its time at a case is the measured time of the loop it
-# takes there. Every such estimate is multiplied by this factor, for the empty splits' programs and the merge over
-# the wider grid (measured 2-5% at 1k) or the two loops' code in one kernel. Every sweep also times the committed
-# plan in each case (rows marked "committed"); where a candidate is that plan, its measured time replaces the
-# estimate.
-ESTIMATE_MARGIN = 1.03
+# A candidate's min_split_tiles (DecodePlan) is estimated, not timed: at each case it leaves some splits empty, so
+# its time is taken as the time measured at exactly the live split count (a candidate leaving a count not measured
+# is out), times this factor for the empty splits' programs and the merge over the wider grid (measured 2-5% at 1k).
+# One live split is out too: the plan still writes the workspace and runs the merge kernel, which the one-split
+# candidate does not (measured 5-9 us more at 1k). Every sweep also times the committed plan in each case (rows
+# marked "committed"); where a candidate is that plan, its measured time replaces the estimate.
+MIN_TILES_MARGIN = 1.03
 MIN_SPLIT_TILES_CANDIDATES = tuple(1 << i for i in range(9))
 
 
@@ -68,13 +64,6 @@ def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
     return [s for s in fits if 4 * programs * s >= num_sms] or fits[-1:] or [1]
 
 
-def row_plan(row: dict):
-    """The DecodePlan a sweep row timed (its fields that the row holds, DecodePlan's defaults for the rest)."""
-    from s4kv.kernels.attention import DecodePlan
-
-    return DecodePlan(**{field: row[field] for field in DecodePlan._fields if field in row})
-
-
 def launch_tile(scheme_name: str, warp_split: bool) -> int:
     """Tokens per tile of a scheme's decode launch on our 128-token pages."""
     from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH
@@ -85,11 +74,10 @@ def launch_tile(scheme_name: str, warp_split: bool) -> int:
 
 def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
     """scheme -> KV-head programs of a batch unsplit (batch x KV heads) -> {"splits", "warp_split",
-    "min_split_tiles", "warp_split_from": the plan (DecodePlan's fields) with the smallest worst-case slowdown against
-    the fastest candidate over every (shape, context) measured there, "worst": that slowdown, "cases": {(shape,
-    context): (its time, fastest time)}}. The plans: each split count measured in every case on one of the scheme's
-    launches (warp_split: WARP_SPLIT_LAUNCH), with a min_split_tiles, and where both launches were measured the loop
-    chosen per sequence from each measured context on (warp_split_from); estimated as ESTIMATE_MARGIN says."""
+    "min_split_tiles": the candidate with the smallest worst-case slowdown against the fastest split count over every
+    (shape, context) measured there, "worst": that slowdown, "cases": {(shape, context): (its time, fastest
+    time)}}. A candidate is a split count on one of the scheme's launches (warp_split: WARP_SPLIT_LAUNCH), measured
+    in every case, with a min_split_tiles estimated from the counts measured (MIN_TILES_MARGIN says how)."""
     from s4kv.kernels.attention import DecodePlan
 
     groups: dict[str, dict[int, dict[tuple, dict[tuple[int, bool], float]]]] = {}
@@ -100,7 +88,8 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
             continue
         programs = r["batch"] * bk.SHAPES[r["shape"]][1]
         if r.get("committed"):
-            timed_plans[(r["method"], programs, r["shape"], r["context"], row_plan(r))] = r["us"]
+            plan = DecodePlan(r["splits"], r.get("warp_split", False), r.get("min_split_tiles", 1))
+            timed_plans[(r["method"], programs, r["shape"], r["context"], plan)] = r["us"]
             continue
         cases = groups.setdefault(r["method"], {}).setdefault(programs, {})
         launch = (r["method"], r.get("warp_split", False))
@@ -117,54 +106,45 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
                 plan = DecodePlan(*candidate)
                 if (scheme, programs, *case, plan) in timed_plans:
                     return timed_plans[(scheme, programs, *case, plan)]
-                warp_split = plan.warp_loop(case[1])  # the loop this context takes
-                margin = ESTIMATE_MARGIN if plan.warp_split_from else 1.0
-                num_tiles = math.ceil(case[1] / tiles[(scheme, warp_split)])
+                num_tiles = math.ceil(case[1] / tiles[(scheme, plan.warp_split)])
                 live = plan.live_splits(num_tiles)
                 if live == plan._replace(min_split_tiles=1).live_splits(num_tiles):
-                    return times[(plan.splits, warp_split)] * margin
-                if live == 1:  # merged all the same: not the one-split candidate's time (ESTIMATE_MARGIN)
+                    return times[(plan.splits, plan.warp_split)]
+                if live == 1:  # merged all the same: not the one-split candidate's time (MIN_TILES_MARGIN)
                     return math.inf
                 # a live count not measured: no estimate
-                return times.get((live, warp_split), math.inf) * ESTIMATE_MARGIN
+                return times.get((live, plan.warp_split), math.inf) * MIN_TILES_MARGIN
 
             def worst(candidate):
                 return max(estimate(candidate, c, t) / min(t.values()) for c, t in cases.items())
 
-            # one split takes every tile, whatever its minimum; from the smallest context on is the warp-split loop
-            contexts = sorted({context for _, context in cases})[1:]
-            plans = [(s, w, m, 0) for s, w in sorted(common) for m in (MIN_SPLIT_TILES_CANDIDATES if s > 1 else (1,))]
-            plans += [(s, True, m, context) for s, w, m, _ in list(plans) if not w and (s, True) in common
-                      for context in contexts]
-            best = min(dict.fromkeys(plans), key=worst)
+            best = min(((s, w, m) for s, w in sorted(common) for m in (MIN_SPLIT_TILES_CANDIDATES if s > 1 else (1,))),
+                       key=worst)  # one split takes every tile, whatever its minimum
             chosen.setdefault(scheme, {})[programs] = {
-                "splits": best[0], "warp_split": best[1], "min_split_tiles": best[2], "warp_split_from": best[3],
-                "worst": worst(best), "cases": {c: (estimate(best, c, t), min(t.values())) for c, t in cases.items()}}
+                "splits": best[0], "warp_split": best[1], "min_split_tiles": best[2], "worst": worst(best),
+                "cases": {c: (estimate(best, c, t), min(t.values())) for c, t in cases.items()}}
     return chosen
 
 
-def split_table(chosen: dict[int, dict], num_sms: int) -> tuple[tuple, ...]:
+def split_table(chosen: dict[int, dict], num_sms: int) -> tuple[tuple[float, int, bool, int], ...]:
     """One scheme's DECODE_SPLITS entry from its chosen candidates: each measured point's plan (splits, warp split,
-    min split tiles, and warp split from where not 0) holds up to the geometric mean of its KV-head programs and the
-    next point's (per SM); the last holds beyond; equal neighbours merge. On the same launch a point never gets more
-    splits than the point before it (a larger batch already fills the SMs: where a sweep says otherwise, the counts
-    were within a few percent)."""
+    min split tiles) holds up to the geometric mean of its KV-head programs and the next point's (per SM); the last
+    holds beyond; equal neighbours merge. On the same launch a point never gets more splits than the point before it
+    (a larger batch already fills the SMs: where a sweep says otherwise, the counts were within a few percent)."""
     points = sorted(chosen)
-    table: list[tuple] = []
+    table: list[tuple[float, int, bool, int]] = []
     for here, after in zip(points, points[1:] + [None]):
         bound = math.inf if after is None else round(math.sqrt(here * after) / num_sms, 3)
         splits, warp_split = chosen[here]["splits"], chosen[here].get("warp_split", False)
         min_split_tiles = chosen[here].get("min_split_tiles", 1)
-        warp_split_from = chosen[here].get("warp_split_from", 0)
         if table and table[-1][2] == warp_split:
             splits = min(splits, table[-1][1])
         if splits == 1:  # one split takes every tile
             min_split_tiles = 1
-        plan = (splits, warp_split, min_split_tiles) + ((warp_split_from,) if warp_split_from else ())
-        if table and table[-1][1:] == plan:
-            table[-1] = (bound, *plan)
+        if table and table[-1][1:] == (splits, warp_split, min_split_tiles):
+            table[-1] = (bound, splits, warp_split, min_split_tiles)
         else:
-            table.append((bound, *plan))
+            table.append((bound, splits, warp_split, min_split_tiles))
     return tuple(table)
 
 
@@ -173,8 +153,8 @@ def tables_source(tables: dict[str, tuple], width: int = 120) -> str:
     def entry(scheme, table):
         head = f'    "{scheme}": ('
         lines, line = [], head
-        for b, *plan in table:
-            item = f"({'math.inf' if b == math.inf else b}, {', '.join(map(str, plan))}), "
+        for b, s, w, m in table:
+            item = f"({'math.inf' if b == math.inf else b}, {s}, {w}, {m}), "
             if len(line) + len(item.rstrip()) > width - 2 and line.strip() != head.strip():
                 lines.append(line.rstrip())
                 line = " " * len(head)
@@ -201,9 +181,9 @@ def apply_split_tables(source: str, tables: dict[str, tuple]) -> str:
 def committed_rows(rows: list[dict]) -> list[dict]:
     """A sweep's measured FA3 rows and, per scheme and case, the row of the plan kernels/attention.py's DECODE_SPLITS
     picks (what the backend runs), as bench_kernels' decode rows (method, ms, gbps), for plot_kernels: its
-    "committed" row, or in a sweep without those, the row of its split count and the loop it takes at the case (its
-    min_split_tiles not applied)."""
-    from s4kv.kernels.attention import DECODE_SPLITS, decode_plan
+    "committed" row, or in a sweep without those, the row of its split count and launch (its min_split_tiles
+    not applied)."""
+    from s4kv.kernels.attention import DECODE_SPLITS, DecodePlan, decode_plan
 
     timed = {(r["shape"], r["batch"], r["context"], r["method"]) for r in rows if r.get("committed")}
     picked = []
@@ -215,19 +195,16 @@ def committed_rows(rows: list[dict]) -> list[dict]:
             if (r["shape"], r["batch"], r["context"], r["method"]) in timed:
                 if not r.get("committed"):
                     continue
-            elif (r["splits"], r.get("warp_split", False)) != (plan.splits, plan.warp_loop(r["context"])):
+            elif DecodePlan(r["splits"], r.get("warp_split", False)) != plan._replace(min_split_tiles=1):
                 continue
         picked.append({"shape": r["shape"], "batch": r["batch"], "context": r["context"], "method": r["method"],
                        "ms": r["us"] / 1e3, "gbps": r["gbps"]})
     return picked
 
 
-def candidate_name(splits: int, warp_split: bool, min_split_tiles: int = 1, warp_split_from: int = 0) -> str:
-    """w: the warp-split launch; /N: at least N tiles per split; "w from C": the tile loop below C tokens of context,
-    the warp-split loop from C on."""
-    name = f"{'w' if warp_split and not warp_split_from else ''}{splits}"
-    name += f"/{min_split_tiles}" if min_split_tiles > 1 else ""
-    return name + (f" w from {warp_split_from:,}" if warp_split and warp_split_from else "")
+def candidate_name(splits: int, warp_split: bool, min_split_tiles: int = 1) -> str:
+    """w: the warp-split launch; /N: at least N tiles per split."""
+    return f"{'w' if warp_split else ''}{splits}" + (f"/{min_split_tiles}" if min_split_tiles > 1 else "")
 
 
 def render(rows: list[dict]) -> str:
@@ -301,8 +278,7 @@ def _candidates(scheme_name, batch, num_q_heads, num_kv_heads, num_sms, device, 
                                           num_splits=splits), launch)
     plan = rule.plan(batch)
     yield (dict(splits=plan.splits, warp_split=plan.warp_split, min_split_tiles=plan.min_split_tiles,
-                warp_split_from=plan.warp_split_from, tile=launch_tile(scheme_name, plan.warp_split), committed=True),
-           rule, None)
+                tile=launch_tile(scheme_name, plan.warp_split), committed=True), rule, None)
 
 
 def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls, scheme_cls) -> list[dict]:
@@ -363,7 +339,7 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
         del cache
         torch.cuda.empty_cache()
     line = " ".join(f"{r['method']}/{'committed ' if r.get('committed') else ''}"
-                    f"{candidate_name(*row_plan(r))}"
+                    f"{candidate_name(r['splits'], r.get('warp_split', False), r.get('min_split_tiles', 1))}"
                     f":{r['us']:,.0f}" for r in rows if r.get("us"))
     print(f"{shape} b={batch} ctx={context}: {line}", flush=True)
     return rows
@@ -395,8 +371,6 @@ def main() -> int:
     for scheme, by_programs in sorted(chosen.items()):
         for programs, pick in sorted(by_programs.items()):
             launch = "WARP_SPLIT_LAUNCH" if pick["warp_split"] else "DECODE_LAUNCH"
-            if pick["warp_split_from"]:
-                launch += f" (the tile loop below {pick['warp_split_from']:,} tokens of context)"
             at_least = f", at least {pick['min_split_tiles']} tiles each" if pick["min_split_tiles"] > 1 else ""
             print(f"{scheme} at {programs} KV-head programs: {pick['splits']} splits{at_least} on {launch}, worst "
                   f"case {pick['worst']:.2f}x the fastest split count over {len(pick['cases'])} cases")

@@ -15,7 +15,7 @@ from statistics import median
 
 from s4kv.kernels.attention import DECODE_SPLITS, DecodePlan, decode_plan
 from tools.device import bench_kernels as bk
-from tools.device.sweep_splits import ESTIMATE_MARGIN
+from tools.device.sweep_splits import MIN_TILES_MARGIN
 
 PREVIOUS = {
     "int4_kivi": ((0.043, 64, False, 1), (0.343, 32, False, 1), (0.686, 16, False, 1), (1.371, 8, False, 1),
@@ -38,7 +38,7 @@ def plan_time(case, scheme, plan):
     for r in case:
         if r["method"] == scheme and not r.get("committed") and r["splits"] == count and \
                 r.get("warp_split", False) == plan.warp_split:
-            return (r["us"], "timed") if count == plan.splits else (r["us"] * ESTIMATE_MARGIN, "est.")
+            return (r["us"], "timed") if count == plan.splits else (r["us"] * MIN_TILES_MARGIN, "est.")
     return None, "-"
 
 
