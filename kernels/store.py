@@ -178,7 +178,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         key, slot_mapping, kv_cache, cache_f16, staged_keys, staging_slots,
         key.stride(0), key.stride(1), kv_cache.stride(0), kv_cache.stride(1), staged_keys.stride(0),
         staged_keys.stride(1), K_PARAMS_OFFSET=layout.k_params, BLOCK_SIZE=block_size, HALF=layout.half_dim,
-        num_warps=8,
+        # most programs exit at once (their token does not close a block): 4 warps fit twice the programs per SM as
+        # 8 and measured 1.4-1.8x faster on the H200 over prefill chunks and decode batches; 2 lose at decode
+        num_warps=4,
     )
     if stage:
         stage_open_keys(key, slot_mapping, staged_keys, staging_slots)
