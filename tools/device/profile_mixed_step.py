@@ -2,7 +2,7 @@
 """A mixed step's time per KV format: decodes alone against the same decodes beside one prompt's prefill, and where
 the GPU time of each goes.
 
-    python -m tools.device.profile_mixed_step --out DIR        # H200, Llama-3.1-8B shape: about 2.5 min per format
+    python -m tools.device.profile_mixed_step --out DIR        # H200, Llama-3.1-8B shape: 80-135 s per format
 
 One engine per format, each in its own process (vLLM in-process, synchronous scheduling, so one engine step is one
 model step and its wall time is that step's time). ``--decodes`` requests of ``--context``-token prompts decode;
@@ -10,7 +10,8 @@ every ``DECODES_BETWEEN`` steps one ``--prompt-len``-token prompt arrives and is
 (max_tokens 1: it leaves after that step, so the batch stays the same decodes). Reported per format: median wall
 time of the decode steps and of the mixed steps, and, for one profiled step of each kind (torch profiler), the GPU
 time per kernel, the GPU's busy time (the union of its kernels' intervals) and the step's wall time, so what a
-format adds to a mixed step shows kernel by kernel and host time shows as the gap between wall and busy.
+format adds to a mixed step shows kernel by kernel and host time shows as the gap between wall and busy; and,
+unprofiled, the host time per step inside each function of the attention path (HOST_TIMED).
 
 A format name with ``:v1`` runs on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``); int4_kivi always does
 (runtime/schemes.py), vLLM 0.26 picks V2 for the others. Writes DIR/mixed_step.json and DIR/mixed_step.md.
