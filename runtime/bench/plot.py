@@ -31,8 +31,8 @@ def speed_ratios(rows: list[Row]) -> dict[str, dict[str, float]]:
     return speeds
 
 
-def _bars(groups: dict[str, dict[str, float]], formats: list[str], x0: float, label, reference: float | None = None
-          ) -> list[str]:
+def grouped_bars(groups: dict[str, dict[str, float]], formats: list[str], x0: float, label,
+                 reference: float | None = None) -> list[str]:
     """Grouped vertical bars in a panel whose plotting area starts at x0, an optional dashed line at `reference`;
     label(format, value) is the text above a bar. Returns SVG elements."""
     top = max([v for g in groups.values() for v in g.values()] + [reference or 0.0], default=1.0) * 1.15 or 1.0
@@ -75,7 +75,7 @@ def render_svg(rows: list[Row], title: str) -> str:
              f'<text x="{width / 2}" y="22" font-size="15" text-anchor="middle">{escape(title)}</text>',
              f'<text x="{MARGIN}" y="{TOP + 20}" font-size="12">speed relative to '
              f'{escape(FORMATS["bf16_fa3"].label)} (long: 1 / wall-time ratio)</text>']
-    parts += _bars(speeds, formats, MARGIN, lambda fmt, v: f"{v:.2f}x", reference=1.0)
+    parts += grouped_bars(speeds, formats, MARGIN, lambda fmt, v: f"{v:.2f}x", reference=1.0)
     if capacity_row:
         x0 = PANEL_W + MARGIN
         parts.append(f'<text x="{x0}" y="{TOP + 20}" font-size="12">{escape(capacity_row.title)}</text>')
@@ -84,7 +84,7 @@ def render_svg(rows: list[Row], title: str) -> str:
             ratio = capacity_row.cells[fmt].ratio
             return f"{tokens / 1e6:.2f}M" + (f" ({ratio:.2f}x)" if ratio else "")
 
-        parts += _bars(capacity, formats, x0, capacity_label)
+        parts += grouped_bars(capacity, formats, x0, capacity_label)
     legend_y = TOP + PANEL_H + 20
     for i, fmt in enumerate(formats):
         y = legend_y + 18 * i

@@ -46,6 +46,30 @@ def test_table_lists_skipped_and_failed_configs():
     assert "| bf16_fa3 | skipped |" in text and "| s4kv_saw | failed |" in text
 
 
+def ok_result(config: str, wall_ms: float, busy_ms: float, forward_ms: float, update_ms: float) -> dict:
+    profile = {"wall_us": 1e3 * wall_ms, "busy_us": 1e3 * busy_ms, "kernel_us": 1e3 * busy_ms, "kernels": [],
+               "host_ops": []}
+    host = {"S4KVAttentionImpl.forward": [forward_ms, 32], "S4KVAttentionImpl.do_kv_cache_update": [update_ms, 32],
+            "paged_attention": [forward_ms / 2, 32]}  # nested inside forward: not added again
+    return {"config": config, "status": "ok", "decode_step_ms": 8.0, "mixed_step_ms": wall_ms,
+            "host_ms": {"mixed": host, "decode": {}}, "mixed_profile": profile, "decode_profile": profile}
+
+
+def test_plot_draws_wall_busy_and_host_time_per_config(tmp_path):
+    spec = {"decodes": 8, "context": 2048, "prompt_len": 2048, "repeats": 10}
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"spec": spec, "results": [ok_result("bf16_fa3", 50.0, 43.0, 5.0, 2.0),
+                                                           ok_result("s4kv_saw:v1", 52.0, 44.0, 13.0, 5.0),
+                                                           {"config": "s4kv_kivi", "status": "skipped"}]}))
+    assert pms.main(["--plot", str(saved), "--out", str(tmp_path / "out")]) == 0
+    svg = (tmp_path / "out" / "mixed_step.svg").read_text()
+    assert 'data-group="mixed step (wall)" data-format="s4kv_saw:v1" data-value="52"' in svg
+    assert 'data-group="GPU busy" data-format="bf16_fa3" data-value="43"' in svg
+    assert 'data-group="host in attention" data-format="s4kv_saw:v1" data-value="18"' in svg
+    assert "s4kv int4_saw, V1 model runner" in svg and 'data-format="s4kv_kivi"' not in svg
+    assert "| s4kv_kivi | skipped |" in (tmp_path / "out" / "mixed_step.md").read_text()
+
+
 @pytest.mark.slow
 def test_one_format_in_the_cpu_engine(tmp_path):
     pytest.importorskip("vllm")
@@ -67,3 +91,4 @@ def test_one_format_in_the_cpu_engine(tmp_path):
         seconds, calls = result["host_ms"][kind]["S4KVAttentionImpl.forward"]
         assert seconds > 0 and calls == layers
     assert "| s4kv_saw |" in (tmp_path / "mixed_step.md").read_text()
+    assert 'data-group="GPU busy" data-format="s4kv_saw"' in (tmp_path / "mixed_step.svg").read_text()

@@ -14,7 +14,8 @@ format adds to a mixed step shows kernel by kernel and host time shows as the ga
 unprofiled, the host time per step inside each function of the attention path (HOST_TIMED).
 
 A format name with ``:v1`` runs on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``); int4_kivi always does
-(runtime/schemes.py), vLLM 0.26 picks V2 for the others. Writes DIR/mixed_step.json and DIR/mixed_step.md.
+(runtime/schemes.py), vLLM 0.26 picks V2 for the others. Writes DIR/mixed_step.json, DIR/mixed_step.md and
+DIR/mixed_step.svg (the plot); ``--plot JSON`` redraws the last two from a saved run.
 """
 
 from __future__ import annotations
@@ -299,10 +300,55 @@ def table(results: list[dict[str, Any]], spec: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def host_in_attention_ms(result: dict[str, Any]) -> float:
+    """Host ms per mixed step inside the format's attention forward and KV-cache update."""
+    return sum(ms for name, (ms, _) in result["host_ms"]["mixed"].items()
+               if name.endswith((".forward", ".do_kv_cache_update")))
+
+
+def plot_svg(results: list[dict[str, Any]], spec: dict[str, Any]) -> str:
+    """The mixed step per configuration: its wall time, the GPU's busy time in it and the host's time in attention."""
+    from xml.sax.saxutils import escape
+
+    from s4kv.runtime.bench.matrix import FORMATS
+    from s4kv.runtime.bench.plot import COLORS, MARGIN, PANEL_H, PANEL_W, TOP, grouped_bars
+
+    ok = [r for r in results if r["status"] == "ok"]
+    configs = [r["config"] for r in ok]
+    groups = {
+        "mixed step (wall)": {r["config"]: r["mixed_step_ms"] for r in ok},
+        "GPU busy": {r["config"]: r["mixed_profile"]["busy_us"] / 1e3 for r in ok},
+        "host in attention": {r["config"]: host_in_attention_ms(r) for r in ok},
+    }
+    width, height = PANEL_W + MARGIN, TOP + PANEL_H + 30 + 18 * len(configs)
+    title = (f"A step of {spec['decodes']} decodes and one {spec['prompt_len']}-token prefill, ms")
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">',
+             f'<rect width="{width}" height="{height}" fill="white"/>',
+             f'<text x="{width / 2}" y="22" font-size="14" text-anchor="middle">{escape(title)}</text>']
+    parts += grouped_bars(groups, configs, MARGIN, lambda config, ms: f"{ms:.1f}")
+    for i, config in enumerate(configs):
+        fmt, v1 = parse_config(config)
+        y = TOP + PANEL_H + 20 + 18 * i
+        color = COLORS.get(config, "#777777")
+        parts.append(f'<rect x="{MARGIN}" y="{y - 10}" width="12" height="12" fill="{color}"/>')
+        label = FORMATS[fmt].label + (", V1 model runner" if v1 else "")
+        parts.append(f'<text x="{MARGIN + 18}" y="{y}" font-size="12">{escape(label)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def write_outputs(out: Path, results: list[dict[str, Any]], spec: dict[str, Any]) -> None:
+    (out / "mixed_step.json").write_text(json.dumps({"spec": spec, "results": results}, indent=1))
+    (out / "mixed_step.md").write_text(table(results, spec))
+    (out / "mixed_step.svg").write_text(plot_svg(results, spec))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the engine process's job (JSON)
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--plot", type=Path, metavar="MIXED_STEP_JSON",
+                        help="write the table and plot of a saved run into --out; runs nothing")
     parser.add_argument("--model", type=Path, default=Path("configs/llama-3.1-8b-instruct.json"),
                         help="a config.json (dummy weights) or a model directory")
     parser.add_argument("--load-format", default="dummy")
@@ -324,12 +370,17 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         os._exit(0)  # skip vLLM's interpreter-exit teardown, which can stall
 
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot:
+        saved = json.loads(args.plot.read_text())
+        write_outputs(args.out, saved["results"], saved["spec"])
+        return 0
+
     from s4kv.runtime.bench.runner import prepare_model
 
     configs = [c for c in args.configs.split(",") if c]
     for config in configs:
         parse_config(config)
-    args.out.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(args.model, args.out / "model")
     spec = {
         "model": str(model_dir.resolve()), "load_format": args.load_format,
@@ -353,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = (f"decode {result['decode_step_ms']:.2f} ms, mixed {result['mixed_step_ms']:.2f} ms"
                    if result["status"] == "ok" else result["status"] + "\n  " + "\n  ".join(result.get("log_tail", [])))
         print(f"[mixed-step] {config}: {summary} ({time.perf_counter() - start:.0f} s)", flush=True)
-        (args.out / "mixed_step.json").write_text(json.dumps({"spec": spec, "results": results}, indent=1))
-        (args.out / "mixed_step.md").write_text(table(results, spec))
+        write_outputs(args.out, results, spec)  # after each engine: a later one may not finish
+    write_outputs(args.out, results, spec)
     print(table(results, spec))
     return 0 if all(r["status"] in ("ok", "skipped") for r in results) else 1
 
