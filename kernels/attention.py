@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .layout import KIVI_BLOCK_SIZE, PageLayout, check_head_dim, tile_tokens
+from .layout import KIVI_BLOCK_SIZE, PageLayout, check_head_dim, next_power_of_2, tile_tokens
 from .scheme import Int4Scheme
 from .staging import check_new_keys, check_pool_read
 from .triton_common import load_channel_params, load_token_params, rotate_halves
@@ -686,7 +686,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     default_launch = launch is None
     plan = workspace.plan(num_seqs) if (decode and workspace is not None) else DecodePlan(1)
     if decode:
-        block_m = max(16, triton.next_power_of_2(group))
+        block_m = max(16, next_power_of_2(group))
         if launch is None:
             # the warp-split launch where the split rule picks it and the page holds its whole tile
             warp_launch = WARP_SPLIT_LAUNCH.get(scheme.name)
@@ -695,7 +695,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
             launch = warp_launch if use_warps else DECODE_LAUNCH[scheme.name]
         block_q = 1
     else:
-        block_m = max(64, triton.next_power_of_2(group))
+        block_m = max(64, next_power_of_2(group))
         block_q, launch = block_m // group, launch or PREFILL_LAUNCH
     tile = tile_tokens(block_size, launch.tile)
     if launch.warp_split and (not decode or scheme.is_kivi or tile // launch.num_warps < 16):

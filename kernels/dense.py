@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import KIVI_BLOCK_SIZE, PageLayout, tile_tokens
+from .layout import KIVI_BLOCK_SIZE, PageLayout, cdiv, tile_tokens
 from .scheme import Int4Scheme
 from .staging import check_new_keys, check_pool_read
 from .triton_common import load_channel_params, load_token_params, rotate_halves_fp32
@@ -158,7 +158,7 @@ def gather_dense_kv(kv_cache, block_table, seq_lens, cu_pages, max_seq_len: int,
     if num_seqs == 0 or max_seq_len == 0:
         return
     tile = tile_tokens(block_size, TILE)
-    grid = (num_seqs, triton.cdiv(max_seq_len, block_size) * block_size // tile, num_kv_heads)
+    grid = (num_seqs, cdiv(max_seq_len, block_size) * block_size // tile, num_kv_heads)
     _gather_dense_kernel[grid](
         kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, cu_pages, dense_k, dense_v,
         dense_k.stride(0), dense_k.stride(1), dense_k.stride(2), block_table.stride(0), kv_cache.stride(0),
@@ -186,7 +186,7 @@ def gather_own_keys(new_keys, staged_keys, sequence_slots, seq_lens, query_start
         return
     # a chunk of q tokens touches at most ceil(q / 128) + 1 blocks, from its block-aligned start
     span = (max_query_len + 2 * block_size - 2) // block_size * block_size
-    grid = (num_seqs, triton.cdiv(span, TILE), num_kv_heads)
+    grid = (num_seqs, cdiv(span, TILE), num_kv_heads)
     _gather_own_keys_kernel[grid](
         new_keys, staged_keys, sequence_slots, seq_lens, query_start_loc, cu_pages, dense_k,
         new_keys.stride(0), new_keys.stride(1), *staged_keys.stride()[:3],

@@ -25,6 +25,7 @@ second operand of Q K^T, reduced over channels: token-major keeps its channels a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from s4kv.runtime.schemes import KV_FORMATS, SUPPORTED_HEAD_DIMS
 
@@ -60,11 +61,9 @@ class PageLayout:
     @classmethod
     def of_cache(cls, kv_cache, head_dim: int) -> "PageLayout":
         """The layout of a cache tensor [num_blocks, num_kv_heads, page_bytes] holding head_dim-wide heads."""
-        check_head_dim(head_dim)
-        if kv_cache.dim() != 3 or kv_cache.shape[2] % bytes_per_token(head_dim):
-            raise ValueError(f"kv_cache must be [blocks, kv_heads, block_size * {bytes_per_token(head_dim)}] for "
-                             f"head_dim {head_dim}, got {tuple(kv_cache.shape)}")
-        return cls(kv_cache.shape[2] // bytes_per_token(head_dim), head_dim)
+        if kv_cache.dim() != 3:
+            raise ValueError(f"kv_cache must be [blocks, kv_heads, page bytes], got {tuple(kv_cache.shape)}")
+        return _layout_of_page(kv_cache.shape[2], head_dim)
 
     @property
     def half_dim(self) -> int:
@@ -89,6 +88,27 @@ class PageLayout:
     @property
     def k_params(self) -> int:
         return (self.head_dim + PARAM_BYTES) * self.block_size
+
+
+# Every kernel wrapper reads the layout for every layer of an eagerly run step: computed once per page size.
+@lru_cache(maxsize=None)
+def _layout_of_page(page_bytes: int, head_dim: int) -> PageLayout:
+    check_head_dim(head_dim)
+    if page_bytes % bytes_per_token(head_dim):
+        raise ValueError(f"kv_cache must be [blocks, kv_heads, block_size * {bytes_per_token(head_dim)}] for "
+                         f"head_dim {head_dim}, got pages of {page_bytes} bytes")
+    return PageLayout(page_bytes // bytes_per_token(head_dim), head_dim)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host-side grid sizes. Plain integer arithmetic: triton.cdiv is a constexpr function, whose
+    call from Python costs microseconds, paid by every launch of an eagerly run step."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), on the host (triton.next_power_of_2 costs as triton.cdiv does)."""
+    return 1 << (n - 1).bit_length()
 
 
 def tile_tokens(block_size: int, max_tile: int) -> int:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import KIVI_BLOCK_SIZE, PageLayout
+from .layout import KIVI_BLOCK_SIZE, PageLayout, cdiv
 from .scheme import Int4Scheme
 from .staging import check_pool_given, check_staging
 from .triton_common import encode, finite_rows, rotate_halves, scale_and_min
@@ -161,7 +161,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     cache_f16 = kv_cache.view(torch.float16)
     common = dict(BLOCK_SIZE=block_size, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim), TOKENS=TOKENS_PER_PROGRAM,
                   HALF=layout.half_dim)
-    grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)
+    grid = (cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)
     for src, codes_offset, params_offset, channel_major, rotate in (
         (key, layout.k_codes, layout.k_params, False, True),
         (value, layout.v_codes, layout.v_params, True, scheme.rotate_values),
@@ -194,7 +194,7 @@ def stage_open_keys(key: torch.Tensor, slot_mapping: torch.Tensor, staged_keys: 
     check_staging(staged_keys, staging_slots, key, staged_keys.shape[2])
     if num_tokens == 0:
         return
-    grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)
+    grid = (cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)
     _kivi_stage_kernel[grid](
         key, slot_mapping, staged_keys, staging_slots, num_tokens,
         key.stride(0), key.stride(1), staged_keys.stride(0), staged_keys.stride(1),

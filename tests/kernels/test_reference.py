@@ -23,7 +23,7 @@ from kv_batches import (
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.hadamard import block_hadamard, sylvester_hadamard
-from s4kv.kernels.layout import PageLayout, bytes_per_token, cache_shape, check_head_dim
+from s4kv.kernels.layout import PageLayout, bytes_per_token, cache_shape, cdiv, check_head_dim, next_power_of_2
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.staging import allocate_pool, sequence_staging_slots
 from s4kv.runtime.schemes import KV_FORMATS, SUPPORTED_HEAD_DIMS
@@ -275,6 +275,29 @@ def test_page_layout_rejects_other_head_dims(head_dim):
         PageLayout(128, head_dim)
     with pytest.raises(ValueError, match=f"support head_dim 64 and 128, got {head_dim}"):
         check_head_dim(head_dim)
+
+
+def test_layout_of_a_cache_reads_its_page_bytes_and_rejects_other_shapes():
+    cache = torch.zeros(3, 2, 136 * 128, dtype=torch.uint8)
+    assert PageLayout.of_cache(cache, 128) == PageLayout(128, 128)
+    assert PageLayout.of_cache(torch.zeros(1, 1, 72 * 16, dtype=torch.uint8), 64) == PageLayout(16, 64)
+    with pytest.raises(ValueError, match="blocks, kv_heads, page bytes"):
+        PageLayout.of_cache(cache.view(6, -1), 128)
+    with pytest.raises(ValueError, match="block_size \\* 136\\] for head_dim 128, got pages of 2192 bytes"):
+        PageLayout.of_cache(torch.zeros(1, 1, 137 * 16, dtype=torch.uint8), 128)
+    with pytest.raises(ValueError, match="support head_dim 64 and 128, got 96"):
+        PageLayout.of_cache(cache, 96)
+
+
+def test_host_grid_arithmetic_matches_tritons():
+    """The wrappers' grid arithmetic gives what triton.cdiv and triton.next_power_of_2 (which it replaces) give."""
+    import triton
+
+    for a in range(0, 300):
+        for b in (1, 2, 16, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b)
+    for n in range(1, 300):
+        assert next_power_of_2(n) == triton.next_power_of_2(n)
 
 
 def test_page_views_reject_a_cache_of_the_wrong_kind():
