@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .layout import KIVI_BLOCK_SIZE, PageLayout, check_head_dim, next_power_of_2, tile_tokens
+from .layout import KIVI_BLOCK_SIZE, PageLayout, cdiv, check_head_dim, next_power_of_2, tile_tokens
 from .scheme import Int4Scheme
 from .staging import check_new_keys, check_pool_read
 from .triton_common import load_channel_params, load_token_params, rotate_halves
@@ -566,7 +566,7 @@ class DecodePlan(NamedTuple):
 
     def live_splits(self, num_tiles: int) -> int:
         """The splits a sequence of ``num_tiles`` tiles fills (what the kernels' _live_splits computes)."""
-        return -(-num_tiles // max(-(-num_tiles // self.splits), self.min_split_tiles))
+        return cdiv(num_tiles, max(cdiv(num_tiles, self.splits), self.min_split_tiles))
 
 
 # Split-KV decode per scheme, by the KV-head programs per SM a batch gives unsplit (num_seqs * num_kv_heads / SMs):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .layout import cdiv
+
 PAGE = 128  # the dense pages' size: int4_kivi's block, so a block is one page
 
 
@@ -48,7 +50,7 @@ def plan_prefill_passes(seq_lens: torch.Tensor, query_lens: torch.Tensor, is_kiv
     ``query_lens`` are this step's queries, in query order (host int tensors)."""
     seq_lens = seq_lens.tolist()
     query_lens = query_lens.tolist()
-    pages = [-(-n // PAGE) for n in seq_lens]
+    pages = [cdiv(n, PAGE) for n in seq_lens]
     cu_pages = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
     if not is_kivi:
         one = FlashPass(
@@ -61,7 +63,7 @@ def plan_prefill_passes(seq_lens: torch.Tensor, query_lens: torch.Tensor, is_kiv
     for i, (n, q) in enumerate(zip(seq_lens, query_lens)):
         context = n - q
         first = int(cu_pages[i])
-        for b in range(context // PAGE, -(-n // PAGE)):
+        for b in range(context // PAGE, cdiv(n, PAGE)):
             start, end = max(context, b * PAGE), min(n, (b + 1) * PAGE)
             cu_q.append(cu_q[-1] + end - start)
             closed_rows.append(list(range(first, first + b)) or [first])

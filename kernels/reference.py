@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import KIVI_BLOCK_SIZE, PageLayout
+from .layout import KIVI_BLOCK_SIZE, PageLayout, cdiv
 from .scheme import Int4Scheme
 from .staging import check_pool_given, check_pool_read, check_staging
 
@@ -204,7 +204,7 @@ def dequantize_sequence(kv_cache, block_table_row, seq_len: int, scheme: Int4Sch
     pages = PageViews(kv_cache, head_dim)
     bsz = pages.block_size
     rot = scheme.rotation(head_dim, kv_cache.device)
-    nblocks = -(-seq_len // bsz)
+    nblocks = cdiv(seq_len, bsz)
     blocks = block_table_row[:nblocks].long()
     k_codes = unpack_nibbles(pages.k_codes[blocks])  # [n, Hkv, B, D]
     kp = pages.k_params[blocks]

@@ -63,6 +63,16 @@ def grouped_bars(groups: dict[str, dict[str, float]], formats: list[str], x0: fl
     return out
 
 
+def legend(entries: list[tuple[str, str]], y0: float) -> list[str]:
+    """A colour swatch and a label per (colour, label) entry, one row each from y0 down. Returns SVG elements."""
+    out = []
+    for i, (color, label) in enumerate(entries):
+        y = y0 + 18 * i
+        out.append(f'<rect x="{MARGIN}" y="{y - 10}" width="12" height="12" fill="{color}"/>')
+        out.append(f'<text x="{MARGIN + 18}" y="{y}" font-size="12">{escape(label)}</text>')
+    return out
+
+
 def render_svg(rows: list[Row], title: str) -> str:
     formats = list(rows[0].cells) if rows else []
     speeds = speed_ratios(rows)
@@ -85,10 +95,6 @@ def render_svg(rows: list[Row], title: str) -> str:
             return f"{tokens / 1e6:.2f}M" + (f" ({ratio:.2f}x)" if ratio else "")
 
         parts += grouped_bars(capacity, formats, x0, capacity_label)
-    legend_y = TOP + PANEL_H + 20
-    for i, fmt in enumerate(formats):
-        y = legend_y + 18 * i
-        parts.append(f'<rect x="{MARGIN}" y="{y - 10}" width="12" height="12" fill="{COLORS.get(fmt, "#777777")}"/>')
-        parts.append(f'<text x="{MARGIN + 18}" y="{y}" font-size="12">{escape(FORMATS[fmt].label)}</text>')
+    parts += legend([(COLORS.get(fmt, "#777777"), FORMATS[fmt].label) for fmt in formats], TOP + PANEL_H + 20)
     parts.append("</svg>")
     return "\n".join(parts) + "\n"

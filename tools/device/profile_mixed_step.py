@@ -204,14 +204,18 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     host: dict[str, dict[str, list[float]]] = {"decode": {}, "mixed": {}}
     arrivals = iter(range(10**6))
 
-    def mixed_step() -> tuple[float, list]:
+    def add_prompt() -> str:
         request_id = f"prompt-{next(arrivals)}"
         engine.add_request(request_id, prompt(spec["prompt_len"]), one_token)
+        return request_id
+
+    def mixed_step() -> float:
+        request_id = add_prompt()
         elapsed, outputs = timed_step(engine)
         ids = {out.request_id for out in outputs if out.finished}
         if request_id not in ids:  # the prompt took more than one step: not the step this tool measures
             raise RuntimeError(f"{request_id} was not prefilled in one step (raise max_num_batched_tokens)")
-        return elapsed, outputs
+        return elapsed
 
     for _ in range(repeats):
         for _ in range(DECODES_BETWEEN):
@@ -219,11 +223,10 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             decode_ms.append(timed_step(engine)[0])
             host_per_step(before, timers.snapshot(), host["decode"])
         before = timers.snapshot()
-        mixed_ms.append(mixed_step()[0])
+        mixed_ms.append(mixed_step())
         host_per_step(before, timers.snapshot(), host["mixed"])
     decode_profile = profiled_step(engine)
-    request_id = f"prompt-{next(arrivals)}"
-    engine.add_request(request_id, prompt(spec["prompt_len"]), one_token)
+    add_prompt()
     mixed_profile = profiled_step(engine)
     return {
         "startup_s": startup_s,
@@ -311,7 +314,7 @@ def plot_svg(results: list[dict[str, Any]], spec: dict[str, Any]) -> str:
     from xml.sax.saxutils import escape
 
     from s4kv.runtime.bench.matrix import FORMATS
-    from s4kv.runtime.bench.plot import COLORS, MARGIN, PANEL_H, PANEL_W, TOP, grouped_bars
+    from s4kv.runtime.bench.plot import COLORS, MARGIN, PANEL_H, PANEL_W, TOP, grouped_bars, legend
 
     ok = [r for r in results if r["status"] == "ok"]
     configs = [r["config"] for r in ok]
@@ -326,13 +329,9 @@ def plot_svg(results: list[dict[str, Any]], spec: dict[str, Any]) -> str:
              f'<rect width="{width}" height="{height}" fill="white"/>',
              f'<text x="{width / 2}" y="22" font-size="14" text-anchor="middle">{escape(title)}</text>']
     parts += grouped_bars(groups, configs, MARGIN, lambda config, ms: f"{ms:.1f}")
-    for i, config in enumerate(configs):
-        fmt, v1 = parse_config(config)
-        y = TOP + PANEL_H + 20 + 18 * i
-        color = COLORS.get(config, "#777777")
-        parts.append(f'<rect x="{MARGIN}" y="{y - 10}" width="12" height="12" fill="{color}"/>')
-        label = FORMATS[fmt].label + (", V1 model runner" if v1 else "")
-        parts.append(f'<text x="{MARGIN + 18}" y="{y}" font-size="12">{escape(label)}</text>')
+    labels = [(FORMATS[fmt].label + (", V1 model runner" if v1 else "")) for fmt, v1 in map(parse_config, configs)]
+    parts += legend([(COLORS.get(config, "#777777"), label) for config, label in zip(configs, labels)],
+                    TOP + PANEL_H + 20)
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
