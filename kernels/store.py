@@ -1,11 +1,12 @@
 """Quantize-on-write: new K/V tokens into their slots of the paged int4 cache (Triton).
 
-``store_kv`` runs one per-token kernel for the keys and one for the values (rotation fused for int4_saw keys,
-optional for its values, and for the staged keys of an open int4_kivi block); for int4_kivi a third launch then
-closes every block whose last slot was written in this batch, per channel from the original keys: the batch's own
-rows and the staging pool's rows (staging.py, required) for the slots earlier batches wrote. A fourth launch copies
-the keys of blocks still open into the pool, after the close, which may read the same slot. Launches follow each
-other on one stream. Grids depend only on the number of tokens and KV heads.
+``store_kv`` stores keys and values per token in one launch (rotation fused for int4_saw keys, optional for its
+values, and for the staged keys of an open int4_kivi block); for int4_kivi a second launch then closes every block
+whose last slot was written in this batch, per channel from the original keys: the batch's own rows and the staging
+pool's rows (staging.py, required) for the slots earlier batches wrote. A third launch copies the keys of blocks
+still open into the pool, after the close, which may read the same slot. Launches follow each other on one stream.
+Grids depend only on the number of tokens and KV heads, except a close over the closing rows the caller lists
+(``close_rows``: eager steps, whose caller knows them on the host).
 """
 
 from __future__ import annotations
@@ -25,17 +26,39 @@ TOKENS_PER_PROGRAM = 16
 # num_tokens and the slot mapping's address vary per step: no kernel variant per value (a JIT stall while serving)
 @triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_ptr"])
 def _store_per_token_kernel(
-    src_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr,
-    num_tokens, src_stride_t, src_stride_h, stride_block, stride_head,
-    CODES_OFFSET: tl.constexpr, PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
-    ROTATE: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, TOKENS: tl.constexpr, HALF: tl.constexpr,
+    key_ptr, value_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr,
+    num_tokens, key_stride_t, key_stride_h, value_stride_t, value_stride_h, stride_block, stride_head,
+    K_CODES_OFFSET: tl.constexpr, K_PARAMS_OFFSET: tl.constexpr, V_CODES_OFFSET: tl.constexpr,
+    V_PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROTATE_VALUES: tl.constexpr,
+    HADAMARD_BLOCK: tl.constexpr, TOKENS: tl.constexpr, HALF: tl.constexpr,
 ):
+    """Program (token tile, head): the tile's keys (rotated, codes token-major) and values (rotated iff
+    ROTATE_VALUES, codes channel-major) per token into their slots."""
     head = tl.program_id(1)
     tok = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
     live = slot >= 0
     ch = tl.arange(0, HALF)
-    src = src_ptr + tok[:, None].to(tl.int64) * src_stride_t + head * src_stride_h + ch[None, :]
+    block = tl.where(live, slot // BLOCK_SIZE, 0)
+    offset = tl.where(live, slot % BLOCK_SIZE, 0)
+    page = block * stride_block + head * stride_head
+    key = key_ptr + tok[:, None].to(tl.int64) * key_stride_t + head * key_stride_h + ch[None, :]
+    packed, scale, minimum = _quantize_per_token(key, live, True, HADAMARD_BLOCK, HALF)
+    tl.store(cache_u8_ptr + (page + K_CODES_OFFSET + offset * HALF)[:, None] + ch[None, :], packed,
+             mask=live[:, None])
+    _store_token_params(cache_f16_ptr, (page + K_PARAMS_OFFSET) // 2 + offset * 2, scale, minimum, live)
+    value = value_ptr + tok[:, None].to(tl.int64) * value_stride_t + head * value_stride_h + ch[None, :]
+    packed, scale, minimum = _quantize_per_token(value, live, ROTATE_VALUES, HADAMARD_BLOCK, HALF)
+    # V codes are channel-major (layout.py): byte j of token t at j * BLOCK_SIZE + t
+    tl.store(cache_u8_ptr + (page + V_CODES_OFFSET + offset)[:, None] + ch[None, :] * BLOCK_SIZE, packed,
+             mask=live[:, None])
+    _store_token_params(cache_f16_ptr, (page + V_PARAMS_OFFSET) // 2 + offset * 2, scale, minimum, live)
+
+
+@triton.jit
+def _quantize_per_token(src, live, ROTATE: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
+    """Packed codes [tokens, HALF] and fp32 (scale, min) per token of the rows at ``src`` (the first half's
+    addresses), after the block-diagonal Hadamard if ROTATE; rows not ``live`` read as zeros."""
     x_lo = tl.load(src, mask=live[:, None], other=0.0)
     x_hi = tl.load(src + HALF, mask=live[:, None], other=0.0)
     if ROTATE:
@@ -46,29 +69,30 @@ def _store_per_token_kernel(
     hi = tl.maximum(tl.max(y_lo, 1), tl.max(y_hi, 1))
     scale, minimum = scale_and_min(lo, hi, finite_rows(y_lo, y_hi))
     packed = encode(y_lo, scale[:, None], minimum[:, None]) | (encode(y_hi, scale[:, None], minimum[:, None]) << 4)
+    return packed, scale, minimum
 
-    block = tl.where(live, slot // BLOCK_SIZE, 0)
-    offset = tl.where(live, slot % BLOCK_SIZE, 0)
-    page = block * stride_block + head * stride_head
-    if CHANNEL_MAJOR:  # V codes (layout.py): byte j of token t at j * BLOCK_SIZE + t
-        codes = (page + CODES_OFFSET + offset)[:, None] + ch[None, :] * BLOCK_SIZE
-    else:
-        codes = (page + CODES_OFFSET + offset * HALF)[:, None] + ch[None, :]
-    tl.store(cache_u8_ptr + codes, packed, mask=live[:, None])
-    params = (page + PARAMS_OFFSET) // 2 + offset * 2
+
+@triton.jit
+def _store_token_params(cache_f16_ptr, params, scale, minimum, live):
+    """(fp16 scale, fp16 min) per token at fp16 index ``params`` of the cache."""
     tl.store(cache_f16_ptr + params, scale.to(tl.float16), mask=live)
     tl.store(cache_f16_ptr + params + 1, minimum.to(tl.float16), mask=live)
 
 
-@triton.jit(do_not_specialize_on_alignment=["slot_ptr", "staging_slot_ptr"])
+# the metadata's addresses vary per step (see _store_per_token_kernel)
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr", "staging_slot_ptr", "close_rows_ptr"])
 def _kivi_close_kernel(
-    key_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr, staged_ptr, staging_slot_ptr,
+    key_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr, staged_ptr, staging_slot_ptr, close_rows_ptr,
     key_stride_t, key_stride_h, stride_block, stride_head, staged_stride_slot, staged_stride_head,
-    K_PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
+    K_PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, ROWS_GIVEN: tl.constexpr,
 ):
-    """Program (token, head): if the token filled its block's last slot, quantize the block's keys per channel from
-    the originals: this batch's rows, and the staging pool's rows for the slots earlier batches wrote."""
-    tok = tl.program_id(0)
+    """Program (i, head) for batch row ``tok`` = i, or close_rows[i] if ROWS_GIVEN: if the row filled its block's
+    last slot, quantize the block's keys per channel from the originals: this batch's rows, and the staging pool's
+    rows for the slots earlier batches wrote."""
+    if ROWS_GIVEN:
+        tok = tl.load(close_rows_ptr + tl.program_id(0))
+    else:
+        tok = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if (slot >= 0) & (slot % BLOCK_SIZE == BLOCK_SIZE - 1):
@@ -135,14 +159,19 @@ def _kivi_stage_kernel(
     tl.store(dst + HALF, tl.load(src + HALF, mask=stage[:, None]), mask=stage[:, None])
 
 
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              scheme: Int4Scheme, staged_keys: torch.Tensor | None = None,
-             staging_slots: torch.Tensor | None = None, stage: bool = True) -> None:
+             staging_slots: torch.Tensor | None = None, stage: bool = True,
+             close_rows: torch.Tensor | None = None) -> None:
     """Quantize key/value [T, Hkv, D] (fp16/bf16, any token/head strides) into kv_cache at slot_mapping.
 
     int4_kivi's staging pool ``staged_keys`` [slots, Hkv, 128, D] (model dtype, contiguous), ``staging_slots``
     [>= T] (the pool slot of each token's block, -1 for none) and ``stage`` as in reference.store_kv: int4_kivi
-    requires them, int4_saw takes neither."""
+    requires them, int4_saw takes neither. int4_kivi's optional ``close_rows`` (int32 [n], on the cache's device)
+    lists every row whose slot is its block's last (position % 128 == 127), each once: the close then runs one
+    program per listed row and KV head (none for n = 0) instead of one per row, and a row left out leaves its
+    block open. Without it the grid depends on T alone (a CUDA graph's replays)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError(f"key/value must be [T, Hkv, head_dim] with contiguous channels, got {tuple(key.shape)} "
@@ -156,34 +185,45 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         check_staging(staged_keys, staging_slots, key, block_size)
         if not staged_keys.is_contiguous():
             raise ValueError("staged_keys must be contiguous")
+    _check_close_rows(scheme, close_rows)
     if num_tokens == 0:
         return
     cache_f16 = kv_cache.view(torch.float16)
-    common = dict(BLOCK_SIZE=block_size, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim), TOKENS=TOKENS_PER_PROGRAM,
-                  HALF=layout.half_dim)
-    grid = (cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)
-    for src, codes_offset, params_offset, channel_major, rotate in (
-        (key, layout.k_codes, layout.k_params, False, True),
-        (value, layout.v_codes, layout.v_params, True, scheme.rotate_values),
-    ):
-        _store_per_token_kernel[grid](
-            src, slot_mapping, kv_cache, cache_f16,
-            num_tokens, src.stride(0), src.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-            CODES_OFFSET=codes_offset, PARAMS_OFFSET=params_offset, CHANNEL_MAJOR=channel_major, ROTATE=rotate,
-            **common,
-        )
+    _store_per_token_kernel[(cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)](
+        key, value, slot_mapping, kv_cache, cache_f16,
+        num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
+        kv_cache.stride(1), K_CODES_OFFSET=layout.k_codes, K_PARAMS_OFFSET=layout.k_params,
+        V_CODES_OFFSET=layout.v_codes, V_PARAMS_OFFSET=layout.v_params, BLOCK_SIZE=block_size,
+        ROTATE_VALUES=scheme.rotate_values, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
+        TOKENS=TOKENS_PER_PROGRAM, HALF=layout.half_dim,
+    )
     if not scheme.is_kivi:
         return
-    _kivi_close_kernel[(num_tokens, num_kv_heads)](
-        key, slot_mapping, kv_cache, cache_f16, staged_keys, staging_slots,
-        key.stride(0), key.stride(1), kv_cache.stride(0), kv_cache.stride(1), staged_keys.stride(0),
-        staged_keys.stride(1), K_PARAMS_OFFSET=layout.k_params, BLOCK_SIZE=block_size, HALF=layout.half_dim,
-        # most programs exit at once (their token does not close a block): 4 warps fit twice the programs per SM as
-        # 8 and measured 1.4-1.8x faster on the H200 over prefill chunks and decode batches; 2 lose at decode
-        num_warps=4,
-    )
+    num_programs = num_tokens if close_rows is None else close_rows.shape[0]
+    if num_programs:
+        _kivi_close_kernel[(num_programs, num_kv_heads)](
+            key, slot_mapping, kv_cache, cache_f16, staged_keys, staging_slots, close_rows,
+            key.stride(0), key.stride(1), kv_cache.stride(0), kv_cache.stride(1), staged_keys.stride(0),
+            staged_keys.stride(1), K_PARAMS_OFFSET=layout.k_params, BLOCK_SIZE=block_size, HALF=layout.half_dim,
+            ROWS_GIVEN=close_rows is not None,
+            # over every row most programs exit at once (their token does not close a block): 4 warps fit twice the
+            # programs per SM as 8 and measured 1.4-1.8x faster on the H200 over prefill chunks and decode batches;
+            # 2 lose at decode. Over listed rows 4 warps also measured fastest (an 8192-token chunk's 64 closes:
+            # 12.3 us against 19.0 at 8)
+            num_warps=4,
+        )
     if stage:
         stage_open_keys(key, slot_mapping, staged_keys, staging_slots)
+
+
+def _check_close_rows(scheme: Int4Scheme, close_rows: torch.Tensor | None) -> None:
+    """close_rows, where given: int4_kivi only (int4_saw closes no block), a 1-D int32 tensor."""
+    if close_rows is None:
+        return
+    if not scheme.is_kivi:
+        raise ValueError(f"{scheme.name} takes no close_rows: only int4_kivi closes blocks")
+    if close_rows.dim() != 1 or close_rows.dtype != torch.int32:
+        raise ValueError(f"close_rows must be int32 [n], got {close_rows.dtype} {tuple(close_rows.shape)}")
 
 
 def stage_open_keys(key: torch.Tensor, slot_mapping: torch.Tensor, staged_keys: torch.Tensor,

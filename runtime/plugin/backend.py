@@ -41,7 +41,7 @@ from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
 
 from .config import BLOCK_SIZE, S4KVConfigError, check_vllm_config
-from .staging import StagingBuffers, install_step_hook
+from .staging import StagingBuffers, block_closing_rows, install_step_hook
 
 logger = init_logger("vllm.s4kv")
 
@@ -124,6 +124,9 @@ class S4KVMetadata:
     # stages into), and of each sequence's open block after the step (-1 where its last block is closed)
     staging_slots: torch.Tensor | None = None  # [num_tokens] int32
     sequence_slots: torch.Tensor | None = None  # [num_seqs] int32
+    # int4_kivi steps with prefill: the rows that write their block's last slot (the store's close runs over them
+    # alone); None for decode-only steps, whose close runs a program per row (a grid of the batch size: CUDA graphs)
+    close_rows: torch.Tensor | None = None  # [n] int32
 
 
 @dataclass
@@ -190,12 +193,15 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> S4KVMetadata:
         m = common_attn_metadata
-        staging_slots = sequence_slots = None
+        has_prefill = m.max_query_len > self.reorder_batch_threshold  # run eagerly, never in a full CUDA graph
+        staging_slots = sequence_slots = close_rows = None
         if self.staging is not None:
             # exact host lengths: int4_kivi runs without speculative decoding (config.py), so the upper bound is exact
             seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens_cpu
             staging_slots, sequence_slots = self.staging.build(m.slot_mapping.shape[0], m.num_reqs,
                                                                m.query_start_loc_cpu, seq_lens)
+            if has_prefill:
+                close_rows = self._list_closing_rows(m, seq_lens)
         return S4KVMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -205,10 +211,17 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
             workspace=self.workspace,
-            prefill=self._plan_prefill(m) if m.max_query_len > self.reorder_batch_threshold else None,
+            prefill=self._plan_prefill(m) if has_prefill else None,
             staging_slots=staging_slots,
             sequence_slots=sequence_slots,
+            close_rows=close_rows,
         )
+
+    def _list_closing_rows(self, m: CommonAttentionMetadata, seq_lens: torch.Tensor) -> torch.Tensor | None:
+        """The rows of an eager step that write their block's last slot (S4KVMetadata.close_rows), on the device."""
+        rows = block_closing_rows(m.query_start_loc_cpu[: m.num_reqs + 1].numpy(), seq_lens[: m.num_reqs].numpy(),
+                                  self.kv_cache_spec.block_size)
+        return torch.from_numpy(rows).to(self.device, non_blocking=True)
 
     def _plan_prefill(self, m: CommonAttentionMetadata) -> PrefillPlan | None:
         # Mixed batches run eagerly (piecewise CUDA graphs), so host-side planning is allowed here.
@@ -332,8 +345,9 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         metadata = layer_metadata(layer)
         if metadata is None:  # a profiling run: every slot is -1, nothing is stored
             return
+        close_rows = {} if metadata.close_rows is None else {"close_rows": metadata.close_rows}
         self._store_kv(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping, self.scheme, self.staged_keys,
-                       metadata.staging_slots, stage=False)  # staged after attention (forward)
+                       metadata.staging_slots, stage=False, **close_rows)  # staged after attention (forward)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: S4KVMetadata | None, output: torch.Tensor,

@@ -46,6 +46,9 @@ class S4KVCpuMetadataBuilder(S4KVMetadataBuilder):
     def _plan_prefill(self, m) -> None:
         return None  # no FlashAttention on the CPU: every token is attended from the int4 cache
 
+    def _list_closing_rows(self, m, seq_lens) -> None:
+        return None  # the torch store (reference.store_kv) finds the closing rows in the slot mapping
+
 
 class S4KVCpuAttentionImpl(S4KVAttentionImpl):
     def _load_kernels(self) -> None:

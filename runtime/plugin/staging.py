@@ -9,6 +9,8 @@ step by step, and when a slot is given back (docs/format.md, "The staging pool")
   id (vLLM freed and reallocated it).
 * ``StagingBuffers``: the builder's persistent ``staging_slots`` (per token) and ``sequence_slots`` (per sequence)
   device buffers, fixed addresses that full CUDA-graph replays read like the slot mapping.
+* ``block_closing_rows``: the rows of a batch that close a block, from the host query starts and sequence lengths,
+  so the store's close of a step with prefill runs over those rows alone.
 * ``install_step_hook``: vLLM 0.26 tells only the model runner which requests finished or were preempted
   (``SchedulerOutput.finished_req_ids``, ``preempted_req_ids``) and only the runner holds the block table on the
   host. A wrapper of the V1 runner's ``GPUModelRunner._update_states`` (the CPU runner inherits it) hands both to
@@ -167,6 +169,20 @@ class StagingBuffers:
         self.staging_slots[:num_tokens].copy_(self._token_host[:num_tokens], non_blocking=True)
         self.sequence_slots[:num_seqs].copy_(self._seq_host[:num_seqs], non_blocking=True)
         return self.staging_slots[:num_tokens], self.sequence_slots[:num_seqs]
+
+
+def block_closing_rows(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """The rows of a batch that write their block's last slot, ascending, int32 (the store's ``close_rows``).
+    Sequence ``i`` has ``q = query_start_loc[i + 1] - query_start_loc[i]`` new tokens ending at ``seq_lens[i]``:
+    row ``query_start_loc[i] + j`` holds position ``p = seq_lens[i] - q + j``, and closes when ``p % block_size ==
+    block_size - 1``."""
+    starts = np.asarray(query_start_loc, dtype=np.int64)
+    ends = np.asarray(seq_lens, dtype=np.int64)
+    first_pos = ends - np.diff(starts)
+    closes = ends // block_size - first_pos // block_size  # per sequence: the multiples of block_size in (first, end]
+    first_row = starts[:-1] + (block_size - 1 - first_pos) % block_size
+    nth = np.arange(int(closes.sum())) - np.repeat(np.cumsum(closes) - closes, closes)
+    return (np.repeat(first_row, closes) + nth * block_size).astype(np.int32)
 
 
 def staging_builders(runner: Any) -> list[tuple[int, Any]]:

@@ -20,11 +20,12 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     launches = Counter(line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("_"))
     # per scheme (kivi, saw, saw with 32-blocks and rotated values) x query dtype (bf16, fp16), at head_dim 128:
-    # attention 4 code paths x (split decode, plain decode, prefill), merge 4 x 1, store 2 (K, V), dense gather 1;
-    # at head_dim 64 the default code path only: attention 3, merge 1, store 2, dense 1; and per head_dim and dtype,
-    # KIVI's store with its staging pool also closes and stages (1 + 1), and its own-key gather (1); per int4_saw
-    # scheme, head_dim and dtype the warp-split decode (attention and merge, 8 each)
+    # attention 4 code paths x (split decode, plain decode, prefill), merge 4 x 1, store 1 (K and V), dense gather
+    # 1; at head_dim 64 the default code path only: attention 3, merge 1, store 1, dense 1; and per head_dim and
+    # dtype, KIVI's store with its staging pool also closes over every row and stages (1 + 1), a second store closes
+    # over listed rows (store 1, close 1), and its own-key gather (1); per int4_saw scheme, head_dim and dtype the
+    # warp-split decode (attention and merge, 8 each)
     assert launches == {"_paged_attention_kernel": 72 + 18 + 8, "_merge_splits_kernel": 24 + 6 + 8,
-                        "_store_per_token_kernel": 12 + 12, "_kivi_close_kernel": 4,
+                        "_store_per_token_kernel": 12 + 4, "_kivi_close_kernel": 4 + 4,
                         "_kivi_stage_kernel": 4, "_gather_dense_kernel": 6 + 6,
                         "_gather_own_keys_kernel": 4}, launches

@@ -6,12 +6,15 @@ minute of CI. With CUDA the same tests run the compiled kernel.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from kv_batches import (HEAD_DIM, assert_caches_match, cache_with_prefix, make_paged_batch, poisoned_cache,
                         random_keys, scheme_head_dims)
 
 from s4kv.kernels import reference as ref
+from s4kv.kernels import store
+from s4kv.runtime.plugin.staging import block_closing_rows
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.staging import allocate_pool, sequence_staging_slots
@@ -212,3 +215,123 @@ def test_store_kernel_kivi_close_without_a_staging_slot_is_poisoned(gen, kernel_
     store_kv(key[100:], key[100:], cache, slots[100:], scheme, staged_keys=pool, staging_slots=torch.full(
         (28,), -1, device=kernel_device))
     assert torch.isnan(ref.PageViews(cache, 64).k_params[1, 0, :64, 0]).all()
+
+
+class Launches:
+    """Stands in for a kernel of kernels/store.py and records the grid of every launch."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.grids: list[tuple] = []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def launches(monkeypatch) -> dict[str, Launches]:
+    """The store's kernels by name, each recording its launches."""
+    recorders = {}
+    for name in ("_store_per_token_kernel", "_kivi_close_kernel", "_kivi_stage_kernel"):
+        recorders[name] = Launches(getattr(store, name))
+        monkeypatch.setattr(store, name, recorders[name])
+    return recorders
+
+
+def grids(launches: dict[str, Launches]) -> dict[str, list[tuple]]:
+    """The grids launched since the last call, per kernel (and forget them)."""
+    taken = {name: recorder.grids for name, recorder in launches.items()}
+    for recorder in launches.values():
+        recorder.grids = []
+    return taken
+
+
+@pytest.mark.parametrize("scheme_name,head_dim", scheme_head_dims({n: SCHEMES[n] for n in ("kivi", "saw32-rotv")}))
+def test_keys_and_values_are_stored_in_one_launch(gen, kernel_device, launches, scheme_name, head_dim):
+    """One per-token program per 16 rows and KV head stores both K and V: an odd batch over many pages, padding
+    rows included, gives the reference's bytes; int4_kivi then closes (a program per row) and stages."""
+    scheme = SCHEMES[scheme_name]
+    batch = make_paged_batch(gen, [(0, 37), (126, 3), (300, 1), (5, 130)], num_q_heads=3, num_kv_heads=3,
+                             block_size=128, dtype=torch.float16, device=kernel_device, num_padding=3,
+                             head_dim=head_dim, spare_blocks=5)
+    actual, expected, before = store_both(batch, scheme, gen, kernel_device)
+    assert_caches_match(actual, expected, before, batch.slot_mapping, scheme, head_dim=head_dim)
+    rows = batch.key.shape[0]
+    assert rows == 174
+    expected_grids = {"_store_per_token_kernel": [(11, 3)], "_kivi_close_kernel": [], "_kivi_stage_kernel": []}
+    if scheme.is_kivi:  # step_staging stores with stage=False, as the engine does
+        expected_grids["_kivi_close_kernel"] = [(rows, 3)]
+    assert grids(launches) == expected_grids
+
+
+# (sequence, first position, end) per step, stored in vLLM's order (sequences one after the other, CUDA-graph
+# padding rows at the end); a sequence's tokens stage into its own pool slot
+CLOSE_STEPS = [
+    [("a", 0, 100), ("b", 0, 30)],  # two prefills, no block closes: no close launch at all
+    [("a", 100, 101), ("b", 30, 200), ("c", 0, 129)],  # b continues its open block from the pool and closes it
+    [("b", 200, 201), ("a", 101, 256), ("d", 0, 127)],  # a closes two blocks, its first from the pool
+    [("a", 256, 257), ("c", 129, 140), ("b", 201, 255)],  # decodes and a chunk that stops one short of a close
+    [("b", 255, 256), ("d", 127, 128), ("a", 257, 258), ("c", 140, 141)],  # two decodes close a block each
+    [("c", 141, 300), ("d", 128, 129), ("b", 256, 260)],  # a chunk closes a block begun by decodes
+]
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_kivi_close_over_listed_rows_matches_the_close_over_every_row(gen, kernel_device, launches, head_dim):
+    """Step by step from one state, the close over the rows block_closing_rows lists (what the engine's builder
+    passes for a step with prefill) writes the same cache and pool bytes as the close over every row, which match
+    the reference's; it launches one program per listed row and KV head, none when no block closes."""
+    scheme = SCHEMES["kivi"]
+    num_heads, num_padding = 2, 3
+    lengths = {"a": 258, "b": 260, "c": 300, "d": 129}
+    blocks = {"a": [9, 2, 14], "b": [5, 11, 1], "c": [7, 3, 12], "d": [13, 4]}  # blocks 0, 6, 8, 10 stay poisoned
+    pool_slots = {"a": 3, "b": 0, "c": 4, "d": 2}  # slots 1 and 5 stay poisoned
+    keys = {s: random_keys(gen, n, num_heads, torch.float16, kernel_device, head_dim) for s, n in lengths.items()}
+    values = {s: random_keys(gen, n, num_heads, torch.float16, kernel_device, head_dim) for s, n in lengths.items()}
+    nan_rows = torch.full((num_padding, num_heads, head_dim), float("nan"), dtype=torch.float16, device=kernel_device)
+    state = poisoned_cache(15, num_heads, 128, gen, kernel_device, head_dim)
+    pool = torch.randn(6, num_heads, 128, head_dim, generator=gen).to(kernel_device, torch.float16) * 1e3
+    pool[1, :, 5:9] = float("nan")
+    closes = []
+    for step in CLOSE_STEPS:
+        key = torch.cat([keys[s][a:b] for s, a, b in step] + [nan_rows])
+        value = torch.cat([values[s][a:b] for s, a, b in step] + [nan_rows])
+        positions = [torch.arange(a, b) for _, a, b in step]
+        slots = torch.cat([torch.tensor(blocks[s])[p // 128] * 128 + p % 128 for (s, _, _), p in zip(step, positions)]
+                          + [torch.full((num_padding,), -1)]).to(kernel_device)
+        staging = torch.cat([torch.full((b - a,), pool_slots[s]) for s, a, b in step]
+                            + [torch.full((num_padding,), -1)]).to(kernel_device)
+        query_start_loc = np.cumsum([0] + [b - a for _, a, b in step])
+        rows = block_closing_rows(query_start_loc, np.array([b for _, _, b in step]), 128)
+        assert rows.tolist() == ref.closing_rows(slots.cpu(), 128).tolist()
+        stores = {}
+        for name, close_rows in (("every row", None), ("listed rows", torch.from_numpy(rows).to(kernel_device))):
+            cache, staged = state.clone(), pool.clone()
+            store_kv(key, value, cache, slots, scheme, staged_keys=staged, staging_slots=staging,
+                     close_rows=close_rows)
+            stores[name] = cache, staged
+            grid = (key.shape[0] if close_rows is None else len(rows), num_heads)
+            assert grids(launches)["_kivi_close_kernel"] == ([grid] if grid[0] else []), f"{name}, {step}"
+        expected, expected_pool = state.clone(), pool.clone()
+        ref.store_kv(key, value, expected, slots, scheme, staged_keys=expected_pool, staging_slots=staging)
+        (every, every_pool), (listed, listed_pool) = stores["every row"], stores["listed rows"]
+        assert torch.equal(listed, every), f"cache after {step}"
+        assert torch.equal(listed_pool.view(torch.int16), every_pool.view(torch.int16)), f"pool after {step}"
+        assert_caches_match(listed, expected, state, slots, scheme, head_dim=head_dim)
+        assert torch.equal(listed_pool.view(torch.int16), expected_pool.view(torch.int16)), f"pool after {step}"
+        state, pool = expected, expected_pool
+        closes.append(len(rows))
+    assert closes == [0, 2, 2, 0, 2, 1]  # as CLOSE_STEPS describes
+
+
+def test_close_rows_are_int32_and_int4_kivi_only(kernel_device):
+    key = torch.zeros(2, 1, HEAD_DIM, dtype=torch.float16, device=kernel_device)
+    cache = torch.zeros(2, 1, 128 * 136, dtype=torch.uint8, device=kernel_device)
+    slots = torch.arange(2, device=kernel_device)
+    pool = dict(staged_keys=allocate_pool(1, 1, 128, HEAD_DIM, torch.float16, kernel_device),
+                staging_slots=torch.zeros(2, dtype=torch.long, device=kernel_device))
+    with pytest.raises(ValueError, match=r"close_rows must be int32 \[n\], got torch.int64"):
+        store_kv(key, key, cache, slots, SCHEMES["kivi"], **pool, close_rows=slots)
+    with pytest.raises(ValueError, match="int4_saw takes no close_rows"):
+        store_kv(key, key, cache, slots, SCHEMES["saw128"], close_rows=slots.int())

@@ -16,12 +16,14 @@ from s4kv.runtime.bundled_models import NGRAM_DRAFTS
 pytest.importorskip("vllm")
 
 
-def make_builder(model_dir, speculative: dict | None, scheme: str = "int4_saw"):
+def make_builder(model_dir, speculative: dict | None, scheme: str = "int4_saw", cpu: bool = False):
+    """The builder of the CUDA path (its kernels' metadata, built on the CPU here), or the CPU platform's."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
     from s4kv.runtime.plugin.backend import S4KVMetadataBuilder
+    from s4kv.runtime.plugin.cpu_backend import S4KVCpuMetadataBuilder
 
     config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy", max_model_len=4096,
                         kv_cache_dtype="int4_per_token_head", attention_backend="CUSTOM",
@@ -30,7 +32,8 @@ def make_builder(model_dir, speculative: dict | None, scheme: str = "int4_saw"):
     spec = FullAttentionSpec(block_size=128, num_kv_heads=4, head_size=128, dtype=torch.uint8,
                              kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD)
     with set_current_vllm_config(config):
-        return S4KVMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu"))
+        builder = S4KVCpuMetadataBuilder if cpu else S4KVMetadataBuilder
+        return builder(spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +112,19 @@ def test_int4_kivi_prefill_is_planned_as_a_closed_and_an_own_block_pass(model_di
     assert closed.cu_seqlens_q.tolist() == own.cu_seqlens_q.tolist() == [0, 28, 156, 200]
     assert not closed.causal and closed.seqused_k.tolist() == [0, 128, 256] and closed.block_table[2].tolist() == [0, 1]
     assert own.causal and own.seqused_k.tolist() == [128, 128, 44] and own.block_table.tolist() == [[0], [1], [2]]
+
+
+def test_int4_kivi_steps_with_prefill_list_their_closing_rows(model_dir, plain):
+    """The store's close of a step with prefill (eager) runs over the rows that write a block's last slot, which the
+    builder lists from the host lengths; decode-only steps (full CUDA graphs) and int4_saw list none."""
+    kivi = make_builder(model_dir, None, "int4_kivi")
+    # a decode at position 127, a decode at 500, a 200-token chunk over positions 100..299, a 5-token prefill
+    mixed = batch([1, 1, 200, 5], [127, 500, 100, 0])
+    rows = kivi.build(0, mixed).close_rows
+    assert rows.dtype == torch.int32 and rows.device == kivi.device and rows.tolist() == [0, 2 + 27, 2 + 155]
+    assert kivi.build(0, batch([1, 1, 100], [500, 20, 130])).close_rows.tolist() == []  # positions 130..229
+    assert kivi.build(0, batch([1, 1], [127, 255])).close_rows is None
+    assert kivi.build_for_cudagraph_capture(batch([1, 1], [127, 255])).close_rows is None
+    assert plain.build(0, mixed).close_rows is None
+    # the CPU platform's torch store finds them itself
+    assert make_builder(model_dir, None, "int4_kivi", cpu=True).build(0, mixed).close_rows is None

@@ -14,7 +14,7 @@ from s4kv.kernels.layout import cache_shape
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.staging import allocate_pool
 from s4kv.runtime.plugin.staging import (NO_SLOT, SlotAssignment, StagingAssignmentError, StagingBuffers,
-                                         StagingPoolExhausted, announce_step, departed_requests)
+                                         StagingPoolExhausted, announce_step, block_closing_rows, departed_requests)
 
 BSZ = 128
 
@@ -128,6 +128,32 @@ def test_the_runner_hook_releases_finished_and_preempted_requests_and_announces_
     tokens, seqs = buffers.build(2, 2, torch.tensor([0, 1, 2]), torch.tensor([8, 1]))
     # the running request continues slot 2, a new one takes a released slot
     assert tokens[0] == 2 and tokens[1] in (0, 1) and seqs.tolist() == tokens.tolist()
+
+
+def test_block_closing_rows_of_a_mixed_batch():
+    # a decode at position 127, a decode at 500, a 200-token chunk from 100 (positions 127 and 255), a padding
+    # sequence of no tokens, a prefill of 5, a 256-token prefill (127, 255)
+    query_start = np.array([0, 1, 2, 202, 202, 207, 463])
+    seq_lens = np.array([128, 501, 300, 40, 5, 256])
+    rows = block_closing_rows(query_start, seq_lens, BSZ)
+    assert rows.dtype == np.int32 and rows.tolist() == [0, 2 + 27, 2 + 155, 207 + 127, 207 + 255]
+    assert block_closing_rows(np.array([0, 1, 2]), np.array([300, 17]), BSZ).size == 0
+    assert block_closing_rows(np.array([0]), np.array([], dtype=np.int64), BSZ).size == 0
+
+
+@pytest.mark.parametrize("block_size", [BSZ, 16])
+def test_block_closing_rows_match_a_loop_over_every_token(block_size):
+    rng = np.random.default_rng(block_size)
+    for _ in range(300):
+        num_seqs = int(rng.integers(1, 10))
+        query_lens = rng.choice([0, 1, 1, 1, 2, 15, 16, 17, 127, 128, 129, 300], num_seqs)
+        contexts = rng.integers(0, 700, num_seqs)
+        query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        seq_lens = (contexts + query_lens).astype(np.int32)
+        expected = [int(query_start[i]) + j for i in range(num_seqs) for j in range(int(query_lens[i]))
+                    if (contexts[i] + j) % block_size == block_size - 1]
+        rows = block_closing_rows(query_start, seq_lens, block_size)
+        assert rows.dtype == np.int32 and rows.tolist() == expected
 
 
 def test_a_kivi_builder_owns_the_buffers_and_a_saw_builder_none(tmp_path):

@@ -89,7 +89,7 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
     """Every launch the backend makes, once per head_dim, scheme and query dtype (compile_only records them): at
     head_dim 128 with every attention code path (attention.CODE_PATHS, which the benchmark and tuning tools sweep),
     at head_dim 64 the backend's own launches; int4_saw's warp-split decode; int4_kivi's store and attention with
-    its staging pool (kernels/staging.py), and its own-key gather."""
+    its staging pool (kernels/staging.py), its close over listed rows, and its own-key gather."""
     from s4kv.kernels import attention
     from s4kv.kernels.dense import gather_dense_kv, gather_own_keys
     from s4kv.kernels.layout import KIVI_BLOCK_SIZE, cache_shape
@@ -108,6 +108,9 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
         pool = torch.zeros(num_seqs, num_kv_heads, block_size, head_dim, dtype=dtype)
         staging = dict(staged_keys=pool, staging_slots=torch.zeros(5, dtype=torch.int64)) if scheme.is_kivi else {}
         store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme, **staging)
+        if scheme.is_kivi:  # an eager step's store: the close over the rows the builder lists
+            store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme, **staging, stage=False,
+                     close_rows=torch.tensor([4], dtype=torch.int32))
         # head_dim 64: the backend's own launches (launch=None), which pick the code path that head_dim allows
         code_paths = attention.CODE_PATHS.values() if head_dim == 128 else [None]
         # what int4_kivi's attention reads beside the cache: the step's keys and the pool
