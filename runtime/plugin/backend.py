@@ -168,6 +168,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
             raise S4KVConfigError(f'S4 KV\'s attention backend needs additional_config["{CONFIG_KEY}"].')
         self.workspace = self._allocate_workspace(config.scheme)
         self.staging = self._allocate_staging(config.scheme)
+        self.update_runs_eagerly = kv_update_runs_eagerly(vllm_config.compilation_config)
 
     def _allocate_staging(self, scheme: Int4Scheme) -> StagingBuffers | None:
         # int4_kivi: one staging slot per running sequence (a sequence has at most one open block)
@@ -200,7 +201,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
             seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens_cpu
             staging_slots, sequence_slots = self.staging.build(m.slot_mapping.shape[0], m.num_reqs,
                                                                m.query_start_loc_cpu, seq_lens)
-            if has_prefill:
+            if has_prefill and self.update_runs_eagerly:
                 close_rows = self._list_closing_rows(m, seq_lens)
         return S4KVMetadata(
             num_actual_tokens=m.num_actual_tokens,
@@ -261,6 +262,16 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         # read the real seq_lens from the same buffer.
         metadata.seq_lens.fill_(1)
         return metadata
+
+
+def kv_update_runs_eagerly(compilation: Any) -> bool:
+    """Whether vLLM runs the KV-cache update outside its piecewise CUDA graphs in steps with prefill: no piecewise
+    graphs, or graphs split at the update (vLLM's default). Only then may the store's close launch a grid of the
+    step's closing rows; a configuration that captures the update inside the graphs keeps the close's per-row grid,
+    which writes the same bytes."""
+    if not compilation.cudagraph_mode.has_piecewise_cudagraphs():
+        return True
+    return not compilation.use_inductor_graph_partition and compilation.splitting_ops_contain_kv_cache_update()
 
 
 def layer_metadata(layer: Any) -> "S4KVMetadata | None":

@@ -128,3 +128,24 @@ def test_int4_kivi_steps_with_prefill_list_their_closing_rows(model_dir, plain):
     assert plain.build(0, mixed).close_rows is None
     # the CPU platform's torch store finds them itself
     assert make_builder(model_dir, None, "int4_kivi", cpu=True).build(0, mixed).close_rows is None
+    # a configuration that captures the KV-cache update inside piecewise CUDA graphs would freeze the grid: none listed
+    kivi.update_runs_eagerly = False
+    assert kivi.build(0, mixed).close_rows is None
+
+
+def test_closing_rows_only_where_the_kv_update_runs_outside_piecewise_graphs():
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from s4kv.runtime.plugin.backend import kv_update_runs_eagerly
+
+    attention, updates = ["vllm::unified_attention_with_output"], ["vllm::unified_kv_cache_update",
+                                                                   "vllm::unified_mla_kv_cache_update"]
+    piecewise = CUDAGraphMode.FULL_AND_PIECEWISE
+    assert kv_update_runs_eagerly(CompilationConfig(cudagraph_mode=CUDAGraphMode.NONE, splitting_ops=attention))
+    assert kv_update_runs_eagerly(CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY))
+    # vLLM's default: splitting_ops filled in later, with the update among them
+    assert kv_update_runs_eagerly(CompilationConfig(cudagraph_mode=piecewise))
+    assert kv_update_runs_eagerly(CompilationConfig(cudagraph_mode=piecewise, splitting_ops=attention + updates))
+    assert not kv_update_runs_eagerly(CompilationConfig(cudagraph_mode=piecewise, splitting_ops=attention))
+    assert not kv_update_runs_eagerly(CompilationConfig(cudagraph_mode=piecewise, splitting_ops=attention + updates,
+                                                        use_inductor_graph_partition=True))
