@@ -159,7 +159,6 @@ def _kivi_stage_kernel(
     tl.store(dst + HALF, tl.load(src + HALF, mask=stage[:, None]), mask=stage[:, None])
 
 
-
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              scheme: Int4Scheme, staged_keys: torch.Tensor | None = None,
              staging_slots: torch.Tensor | None = None, stage: bool = True,

@@ -175,7 +175,8 @@ def block_closing_rows(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_
     """The rows of a batch that write their block's last slot, ascending, int32 (the store's ``close_rows``).
     Sequence ``i`` has ``q = query_start_loc[i + 1] - query_start_loc[i]`` new tokens ending at ``seq_lens[i]``:
     row ``query_start_loc[i] + j`` holds position ``p = seq_lens[i] - q + j``, and closes when ``p % block_size ==
-    block_size - 1``."""
+    block_size - 1``. The same rows as reference.closing_rows finds in the slot mapping, here from host lengths: the
+    builder's slot mapping is on the device, and reading it back would wait for the GPU every step."""
     starts = np.asarray(query_start_loc, dtype=np.int64)
     ends = np.asarray(seq_lens, dtype=np.int64)
     first_pos = ends - np.diff(starts)
