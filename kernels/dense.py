@@ -4,11 +4,12 @@ Prefill is compute-bound: FlashAttention on tensor cores beats any int4-reading 
 prefill chunk through FA over the sequence's K/V dequantized from the cache (the store has run: every token of the
 sequence is there, this step's included), as 128-token pages ``dense[page, token, kv_head, :]`` that FA reads
 through a block table (sequence i's page p at ``cu_pages[i] + p``). Values and int4_saw keys are each token's
-per-token dequantization (un-rotated). int4_kivi keys are read under the rule of docs/kernel-api.md in two FA passes:
-``gather_dense_kv`` writes every full block per channel (what queries of later blocks see), then, after the first
-pass, ``gather_own_keys`` overwrites the pages of the blocks the chunk touches with their original keys (the step's
-``new_keys`` rows and the staging pool's rows for the earlier tokens of the block the step starts in), what the
-queries of each block see of it in the second, causal pass.
+per-token dequantization (un-rotated). int4_kivi keys are read under the rule of docs/kernel-api.md in one causal FA
+pass over segments (kernels/prefill_plan.py): ``gather_dense_kv`` writes every full block per channel (what queries
+of later blocks see), then ``gather_own_keys`` writes the blocks the chunk touches with their original keys (the
+step's ``new_keys`` rows and the staging pool's rows for the earlier tokens of the block the step starts in), what
+the queries of each block see of it: the last block in its own page, every earlier one in an own page after the
+sequence's pages, with its values copied beside them.
 """
 
 from __future__ import annotations
@@ -96,12 +97,13 @@ def _gather_dense_kernel(
                                             "sequence_slots_ptr"])
 def _gather_own_keys_kernel(
     new_keys_ptr, staged_keys_ptr, sequence_slots_ptr, seq_lens_ptr, query_start_loc_ptr, cu_pages_ptr, dense_k_ptr,
-    new_keys_stride_t, new_keys_stride_h, pool_stride_slot, pool_stride_head, pool_stride_token,
+    dense_v_ptr, new_keys_stride_t, new_keys_stride_h, pool_stride_slot, pool_stride_head, pool_stride_token,
     dense_stride_page, dense_stride_t, dense_stride_h,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HALF: tl.constexpr,
 ):
     """Program (sequence, tile of the chunk's blocks, head): the original keys of the blocks the chunk touches, from
-    the chunk's block-aligned start on; NaN where a pool row is needed and the slot is -1."""
+    the chunk's block-aligned start on, into each block's own page (kernels/prefill_plan.py), and the values of a
+    block whose own page is not its page; NaN where a pool row is needed and the slot is -1."""
     seq = tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -127,12 +129,20 @@ def _gather_own_keys_kernel(
         missing = staged & (slot < 0)
         k_lo = tl.where(missing, float("nan"), k_lo.to(tl.float32))
         k_hi = tl.where(missing, float("nan"), k_hi.to(tl.float32))
-        dense_page = (tl.load(cu_pages_ptr + seq) + pos // BLOCK_SIZE).to(tl.int64)
-        dense = (dense_page[:, None] * dense_stride_page + offset[:, None] * dense_stride_t + head * dense_stride_h
-                 + ch[None, :])
+        # a tile lies in one block: TILE divides BLOCK_SIZE and first is block-aligned
+        block = (first + tile * TILE) // BLOCK_SIZE
+        last = (seq_len - 1) // BLOCK_SIZE
+        seq_page = tl.load(cu_pages_ptr + seq)
+        own_page = tl.where(block == last, seq_page + block, seq_page + last + 1 + block - first // BLOCK_SIZE)
+        rows = offset[:, None] * dense_stride_t + head * dense_stride_h + ch[None, :]
+        own = own_page.to(tl.int64) * dense_stride_page + rows
         out_dtype = dense_k_ptr.dtype.element_ty
-        tl.store(dense_k_ptr + dense, k_lo.to(out_dtype))
-        tl.store(dense_k_ptr + dense + HALF, k_hi.to(out_dtype))
+        tl.store(dense_k_ptr + own, k_lo.to(out_dtype))
+        tl.store(dense_k_ptr + own + HALF, k_hi.to(out_dtype))
+        if block != last:  # a full block: its values from its page, which gather_dense_kv wrote
+            page = (seq_page + block).to(tl.int64) * dense_stride_page + rows
+            tl.store(dense_v_ptr + own, tl.load(dense_v_ptr + page))
+            tl.store(dense_v_ptr + own + HALF, tl.load(dense_v_ptr + page + HALF))
 
 
 def _check_pages(dense: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int) -> None:
@@ -169,17 +179,23 @@ def gather_dense_kv(kv_cache, block_table, seq_lens, cu_pages, max_seq_len: int,
 
 
 def gather_own_keys(new_keys, staged_keys, sequence_slots, seq_lens, query_start_loc, cu_pages, max_query_len: int,
-                    dense_k) -> None:
-    """int4_kivi: overwrite, in dense_k [pages, 128, Hkv, D], the pages of the blocks each sequence's chunk touches
-    with their original keys: rows from the chunk's start are ``new_keys[query_start_loc[i] + (j - chunk_start)]``
-    (absolute rows, as for attention.paged_attention), earlier rows of the block the chunk starts in the staging pool
-    ``staged_keys[sequence_slots[i], :, j % 128]``; NaN where such a row is needed and the slot is -1. Rows past a
-    sequence's end are 0."""
+                    dense_k, dense_v) -> None:
+    """int4_kivi, after gather_dense_kv: the original keys of the blocks each sequence's chunk touches into their own
+    pages of dense_k [pages, 128, Hkv, D] (kernels/prefill_plan.py): the last block's is its page ``cu_pages[i] +
+    b``, an earlier block's ``cu_pages[i] + cdiv(seq_len, 128) + b - first block``, with the block's values copied
+    there from its page in dense_v. Rows from the chunk's start are ``new_keys[query_start_loc[i] + (j -
+    chunk_start)]`` (absolute rows, as for attention.paged_attention), earlier rows of the block the chunk starts in
+    the staging pool ``staged_keys[sequence_slots[i], :, j % 128]``; NaN where such a row is needed and the slot is
+    -1. Rows past a sequence's end are 0."""
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = dense_k.shape
     check_pool_read(staged_keys, sequence_slots, num_seqs, num_kv_heads, head_dim, Int4Scheme("int4_kivi"))
     check_new_keys(new_keys, 0, num_kv_heads, head_dim, staged_keys.dtype)
-    _check_pages(dense_k, KIVI_BLOCK_SIZE, num_kv_heads, head_dim)
+    for dense in (dense_k, dense_v):
+        _check_pages(dense, KIVI_BLOCK_SIZE, num_kv_heads, head_dim)
+    if dense_v.shape != dense_k.shape or dense_v.stride() != dense_k.stride():
+        raise ValueError(f"dense_k and dense_v must have one shape and layout, got {tuple(dense_k.shape)} strides "
+                         f"{dense_k.stride()} and {tuple(dense_v.shape)} strides {dense_v.stride()}")
     if staged_keys.stride(-1) != 1:
         raise ValueError(f"staged_keys must have contiguous channels, got strides {staged_keys.stride()}")
     if num_seqs == 0 or max_query_len == 0:
@@ -188,7 +204,7 @@ def gather_own_keys(new_keys, staged_keys, sequence_slots, seq_lens, query_start
     span = (max_query_len + 2 * block_size - 2) // block_size * block_size
     grid = (num_seqs, cdiv(span, TILE), num_kv_heads)
     _gather_own_keys_kernel[grid](
-        new_keys, staged_keys, sequence_slots, seq_lens, query_start_loc, cu_pages, dense_k,
+        new_keys, staged_keys, sequence_slots, seq_lens, query_start_loc, cu_pages, dense_k, dense_v,
         new_keys.stride(0), new_keys.stride(1), *staged_keys.stride()[:3],
         dense_k.stride(0), dense_k.stride(1), dense_k.stride(2),
         BLOCK_SIZE=block_size, TILE=TILE, HALF=head_dim // 2,

@@ -6,9 +6,9 @@ tensor is exactly that, ``uint8[num_blocks, num_kv_heads, block_size * (head_dim
 The store runs in ``do_kv_cache_update`` (before attention, as for TRITON_ATTN). Decode tokens read the int4 cache
 directly (memory-bound: 3.8x fewer bytes than bf16). Prefill chunks are compute-bound, so their sequences' K/V,
 dequantized from the int4 cache (the chunk's own tokens included), are gathered into dense pages and run through
-vLLM's own FlashAttention (FA3 on Hopper, FA2 elsewhere): one causal pass for int4_saw, two passes merged by
-log-sum-exp for int4_kivi (earlier blocks per channel, the own block from its original keys; kernels/prefill_plan.py);
-the batch is reordered decodes-first to split it. The CPU path
+vLLM's own FlashAttention (FA3 on Hopper, FA2 elsewhere) in one causal pass: for int4_saw an entry per sequence, for
+int4_kivi an entry per segment of a sequence's queries in one block (earlier blocks per channel, the own block from
+its original keys; kernels/prefill_plan.py); the batch is reordered decodes-first to split it. The CPU path
 (cpu_backend.py) reuses the backend, metadata and builder defined here and swaps the kernels for torch ones.
 int4_kivi layers also own a staging pool (the open blocks' original keys); the builder assigns its slots per step
 (staging.py) and the store closes every block per channel from them.
@@ -35,7 +35,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from s4kv.kernels.layout import bytes_per_token, cache_shape
-from s4kv.kernels.prefill_plan import PAGE, plan_prefill_passes
+from s4kv.kernels.prefill_plan import PAGE, FlashPass, plan_prefill_pass
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
@@ -137,7 +137,7 @@ class PrefillPlan:
     num_decode_tokens: int
     decode_max_query_len: int  # 1 without drafts (then the decode part may split the context)
     cu_pages: torch.Tensor  # [num_prefills + 1] int32: prefill sequence i's dense pages start at cu_pages[i]
-    passes: tuple  # kernels.prefill_plan.FlashPass on the device: int4_saw one causal, int4_kivi (closed,) own
+    flash: FlashPass  # on the device
     max_query_len: int
     max_seq_len: int
     dense_k: torch.Tensor  # [pages, 128, Hkv, head_dim], model dtype
@@ -236,7 +236,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         seq_lens = (m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens_cpu)
         seq_lens = seq_lens[num_decodes : m.num_reqs].to(torch.int32)
         q_lens = m.query_start_loc_cpu[1 : m.num_reqs + 1] - m.query_start_loc_cpu[: m.num_reqs]
-        plan = plan_prefill_passes(seq_lens, q_lens[num_decodes:], self.staging is not None)
+        plan = plan_prefill_pass(seq_lens, q_lens[num_decodes:], self.staging is not None)
         spec = self.kv_cache_spec
         dtype = self.vllm_config.model_config.dtype
         page_shape = (PAGE, spec.num_kv_heads, spec.head_size)
@@ -248,7 +248,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
             num_decode_tokens=num_decode_tokens,
             decode_max_query_len=int(q_lens[:num_decodes].max()) if num_decodes else 0,
             cu_pages=plan.cu_pages.to(self.device, non_blocking=True),
-            passes=tuple(p.to(self.device) for p in plan.passes),
+            flash=plan.flash.to(self.device),
             max_query_len=int(q_lens[num_decodes:].max()),
             max_seq_len=int(seq_lens.max()),
             dense_k=dense_k,
@@ -410,39 +410,20 @@ def flash_prefill(query, kv_cache, block_table, seq_lens, query_start_loc, p: Pr
                   softmax_scale: float, head_dim: int, out, new_keys=None, staged_keys=None,
                   sequence_slots=None) -> None:
     """FlashAttention of the prefill queries ``query`` (the prefill part of the batch, [T, Hq, D]) over their
-    sequences' K/V dequantized into dense pages (kernels/prefill_plan.py), into ``out``: int4_saw one causal pass;
-    int4_kivi the closed pass (blocks before each segment's own block, per channel), then the own blocks' keys
-    rewritten to the originals (``new_keys`` rows at ``query_start_loc``, the pool at ``sequence_slots``) and the
-    causal own pass, merged by log-sum-exp."""
+    sequences' K/V dequantized into dense pages (kernels/prefill_plan.py), into ``out``, in one causal pass; for
+    int4_kivi the own blocks' original keys (``new_keys`` rows at ``query_start_loc``, the pool at
+    ``sequence_slots``) are written into their own pages first."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
     from s4kv.kernels.dense import gather_dense_kv, gather_own_keys
 
     gather_dense_kv(kv_cache, block_table, seq_lens, p.cu_pages, p.max_seq_len, scheme, p.dense_k, p.dense_v,
                     head_dim)
-
-    def flash(fa_pass, into, lse: bool):
-        return flash_attn_varlen_func(
-            q=query, k=p.dense_k, v=p.dense_v, out=into, cu_seqlens_q=fa_pass.cu_seqlens_q,
-            max_seqlen_q=fa_pass.max_seqlen_q, seqused_k=fa_pass.seqused_k, max_seqlen_k=fa_pass.max_seqlen_k,
-            block_table=fa_pass.block_table, softmax_scale=softmax_scale, causal=fa_pass.causal,
-            return_softmax_lse=lse, fa_version=p.fa_version)
-
-    if not scheme.is_kivi:
-        flash(p.passes[0], out, lse=False)
-        return
-    closed = p.passes[:-1]
-    if closed:
-        closed_out = torch.empty_like(out)
-        _, closed_lse = flash(closed[0], closed_out, lse=True)
-    gather_own_keys(new_keys, staged_keys, sequence_slots, seq_lens, query_start_loc, p.cu_pages, p.max_query_len,
-                    p.dense_k)
-    if not closed:  # no segment has an earlier block
-        flash(p.passes[-1], out, lse=False)
-        return
-    own_out = torch.empty_like(out)
-    _, own_lse = flash(p.passes[-1], own_out, lse=True)
-    # a segment of block 0 has no closed keys: FA gives it output 0 and a log-sum-exp of -inf (FA3) or +inf (FA2),
-    # which merge_attn_states reads as -inf, taking the own pass alone
-    merge_attn_states(out, closed_out, closed_lse, own_out, own_lse)
+    if scheme.is_kivi:
+        gather_own_keys(new_keys, staged_keys, sequence_slots, seq_lens, query_start_loc, p.cu_pages,
+                        p.max_query_len, p.dense_k, p.dense_v)
+    f = p.flash
+    flash_attn_varlen_func(
+        q=query, k=p.dense_k, v=p.dense_v, out=out, cu_seqlens_q=f.cu_seqlens_q, max_seqlen_q=f.max_seqlen_q,
+        seqused_k=f.seqused_k, max_seqlen_k=f.max_seqlen_k, block_table=f.block_table, softmax_scale=softmax_scale,
+        causal=True, fa_version=p.fa_version)

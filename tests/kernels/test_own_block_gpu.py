@@ -1,6 +1,6 @@
 """The read rule on the GPU at real sizes (bf16, compiled kernels, vLLM's FlashAttention): the decode kernel with its
 default launch and split-KV workspace, and the backend's FlashAttention prefill (runtime/plugin/backend.flash_prefill:
-int4_saw one pass, int4_kivi two passes merged by log-sum-exp), each against the float64 oracle of
+one causal pass, int4_kivi's over segments with their own pages), each against the float64 oracle of
 own_block_oracle.py. Needs CUDA and vLLM's FA (the device jobs: tools/device/ownread_gpu.sh).
 """
 
@@ -15,7 +15,7 @@ from kv_batches import relative_error
 from own_block_oracle import B, KIVI, batch_rule_attention, stored_step
 
 from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, SUBNORMAL_HEAD_DIMS, SplitWorkspace, paged_attention
-from s4kv.kernels.prefill_plan import plan_prefill_passes
+from s4kv.kernels.prefill_plan import plan_prefill_pass
 from s4kv.kernels.scheme import Int4Scheme
 
 pytestmark = [pytest.mark.gpu,
@@ -82,10 +82,10 @@ def test_flash_prefill_follows_the_rule(name, shape):
     scheme = SCHEMES[name]
     batch, cache, pool = bf16_step(PREFILL, num_q, num_kv, head_dim, scheme, 11)
     q_lens = (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).cpu()
-    passes = plan_prefill_passes(batch.seq_lens.cpu(), q_lens, scheme.is_kivi)
-    dense_k = torch.full((passes.num_pages, B, num_kv, head_dim), float("nan"), dtype=batch.key.dtype, device="cuda")
+    pages = plan_prefill_pass(batch.seq_lens.cpu(), q_lens, scheme.is_kivi)
+    dense_k = torch.full((pages.num_pages, B, num_kv, head_dim), float("nan"), dtype=batch.key.dtype, device="cuda")
     plan = PrefillPlan(num_decodes=0, num_decode_tokens=0, decode_max_query_len=0,
-                       cu_pages=passes.cu_pages.cuda(), passes=tuple(p.to("cuda") for p in passes.passes),
+                       cu_pages=pages.cu_pages.cuda(), flash=pages.flash.to("cuda"),
                        max_query_len=batch.max_query_len, max_seq_len=int(batch.seq_lens.max()), dense_k=dense_k,
                        dense_v=torch.full_like(dense_k, float("nan")), fa_version=get_flash_attn_version())
     out = torch.full_like(batch.query, float("nan"))

@@ -92,26 +92,25 @@ def test_prefill_chunks_are_planned_for_flash_attention(plain):
     assert (plan.max_query_len, plan.max_seq_len) == (200, 500)
     # int4_saw: the chunk's sequence as 4 dense 128-token pages, one causal FA pass over all 500 keys
     assert plan.dense_k.shape == (4, 128, 4, 128) and plan.cu_pages.tolist() == [0, 4]
-    (one,) = plan.passes
-    assert one.causal and one.seqused_k.tolist() == [500] and one.block_table.tolist() == [[0, 1, 2, 3]]
-    assert one.cu_seqlens_q.tolist() == [0, 200]
+    assert plan.flash.seqused_k.tolist() == [500] and plan.flash.block_table.tolist() == [[0, 1, 2, 3]]
+    assert plan.flash.cu_seqlens_q.tolist() == [0, 200]
 
 
 def test_rows_with_drafts_stay_with_the_fused_kernel_beside_a_prefill_chunk(drafting):
     plan = drafting.build(0, batch([4, 4, 200], [500, 20, 300])).prefill
     assert (plan.num_decodes, plan.num_decode_tokens, plan.decode_max_query_len) == (2, 8, 4)
-    assert plan.passes[0].cu_seqlens_q.tolist() == [0, 200] and plan.passes[0].seqused_k.tolist() == [500]
+    assert plan.flash.cu_seqlens_q.tolist() == [0, 200] and plan.flash.seqused_k.tolist() == [500]
 
 
-def test_int4_kivi_prefill_is_planned_as_a_closed_and_an_own_block_pass(model_dir):
-    """A 200-token chunk from position 100 beside a decode: three segments (its queries in blocks 0, 1 and 2); the
-    closed pass sees the blocks before each (none for block 0), the causal own pass each block up to its last query."""
+def test_int4_kivi_prefill_is_planned_as_one_pass_over_block_segments(model_dir):
+    """A 200-token chunk from position 100 beside a decode: three segments (its queries in blocks 0, 1 and 2), each
+    over the blocks before its own per channel and its own block from an own page of original keys (the last block's
+    is its page, blocks 0 and 1 get pages 3 and 4 after the sequence's three)."""
     plan = make_builder(model_dir, None, "int4_kivi").build(0, batch([1, 200], [500, 100])).prefill
-    closed, own = plan.passes
-    assert plan.cu_pages.tolist() == [0, 3] and plan.dense_k.shape == (3, 128, 4, 128)
-    assert closed.cu_seqlens_q.tolist() == own.cu_seqlens_q.tolist() == [0, 28, 156, 200]
-    assert not closed.causal and closed.seqused_k.tolist() == [0, 128, 256] and closed.block_table[2].tolist() == [0, 1]
-    assert own.causal and own.seqused_k.tolist() == [128, 128, 44] and own.block_table.tolist() == [[0], [1], [2]]
+    assert plan.cu_pages.tolist() == [0, 5] and plan.dense_k.shape == plan.dense_v.shape == (5, 128, 4, 128)
+    assert plan.flash.cu_seqlens_q.tolist() == [0, 28, 156, 200] and plan.flash.seqused_k.tolist() == [128, 256, 300]
+    assert plan.flash.block_table.tolist() == [[3, 3, 3], [0, 4, 0], [0, 1, 2]]
+    assert (plan.flash.max_seqlen_q, plan.flash.max_seqlen_k) == (128, 300)
 
 
 def test_int4_kivi_steps_with_prefill_list_their_closing_rows(model_dir, plain):

@@ -1,9 +1,9 @@
 """Prefill / chunked-prefill attention on the H200: s4kv (the fused int4 kernel, and the backend's prefill path,
 runtime/plugin/backend.flash_prefill: every token's K/V gathered from the int4 cache into dense bf16 pages, then FA3,
-one causal pass for int4_saw, two passes merged by log-sum-exp for int4_kivi) against vLLM's FA3 on a bf16
-paged cache. One call, about a minute; then long prompts (32k-128k tokens) prefilled chunk by chunk as vLLM's
+one causal pass, for int4_kivi over segments of a chunk's queries per block) against vLLM's FA3 on a bf16 paged
+cache. One call, about a minute; then long prompts (32k-128k tokens) prefilled chunk by chunk as vLLM's
 chunked prefill schedules them, where each chunk reads the whole prefix before it: the total attention time of
-the prompt, FA3 on bf16 against our dense gather + FA3 pass(es), per chunk and summed.
+the prompt, FA3 on bf16 against our dense gather + FA3 pass, per chunk and summed.
 
 python tools/device/bench_prefill.py [--prompts 32768,65536,131072] [--chunk 8192]   (needs vLLM 0.26.0's
 vllm_flash_attn, e.g. from shared/devicekit); writes $OUT/bench_prefill.json and $OUT/bench_prefill_chunked.json
@@ -20,7 +20,7 @@ import torch
 import triton
 
 from s4kv.kernels.attention import paged_attention
-from s4kv.kernels.prefill_plan import PAGE, plan_prefill_passes
+from s4kv.kernels.prefill_plan import PAGE, plan_prefill_pass
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.staging import allocate_pool, sequence_staging_slots
 from s4kv.kernels.store import store_kv
@@ -47,10 +47,10 @@ def backend_prefill(scheme, q, new_keys, cache, block_table, seq_lens, cu_q, out
     from s4kv.runtime.plugin.backend import PrefillPlan, flash_prefill
 
     q_lens = (cu_q[1:] - cu_q[:-1]).cpu()
-    passes = plan_prefill_passes(seq_lens.cpu(), q_lens, scheme.is_kivi)
-    dense_k = torch.empty(passes.num_pages, PAGE, HKV, D, dtype=q.dtype, device=q.device)
-    plan = PrefillPlan(num_decodes=0, num_decode_tokens=0, decode_max_query_len=0, cu_pages=passes.cu_pages.cuda(),
-                       passes=tuple(p.to("cuda") for p in passes.passes), max_query_len=int(q_lens.max()),
+    pages = plan_prefill_pass(seq_lens.cpu(), q_lens, scheme.is_kivi)
+    dense_k = torch.empty(pages.num_pages, PAGE, HKV, D, dtype=q.dtype, device=q.device)
+    plan = PrefillPlan(num_decodes=0, num_decode_tokens=0, decode_max_query_len=0, cu_pages=pages.cu_pages.cuda(),
+                       flash=pages.flash.to("cuda"), max_query_len=int(q_lens.max()),
                        max_seq_len=int(seq_lens.max()), dense_k=dense_k, dense_v=torch.empty_like(dense_k),
                        fa_version=get_flash_attn_version())
     own_block = {}

@@ -135,12 +135,13 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             attention.paged_attention(q, cache, block_table, seq_lens, torch.arange(num_seqs + 1, dtype=torch.int32),
                                       1, 0.1, scheme, torch.empty_like(q), workspace=workspace,
                                       launch=attention.WARP_SPLIT_LAUNCH[scheme.name])
-        dense = torch.empty(4, block_size, num_kv_heads, head_dim, dtype=dtype)
+        dense_k = torch.empty(6, block_size, num_kv_heads, head_dim, dtype=dtype)
+        dense_v = torch.empty_like(dense_k)
         cu_pages = torch.tensor([0, 3, 4], dtype=torch.int32)
-        gather_dense_kv(cache, block_table, seq_lens, cu_pages, 300, scheme, dense, torch.empty_like(dense), head_dim)
+        gather_dense_kv(cache, block_table, seq_lens, cu_pages, 300, scheme, dense_k, dense_v, head_dim)
         if scheme.is_kivi:
             gather_own_keys(own_block["new_keys"], pool, own_block["sequence_slots"], seq_lens,
-                            torch.tensor([0, 3, 20], dtype=torch.int32), cu_pages, 17, dense)
+                            torch.tensor([0, 3, 20], dtype=torch.int32), cu_pages, 17, dense_k, dense_v)
 
 
 def main() -> int:

@@ -49,7 +49,6 @@ HOST_TIMED = (
     ("s4kv.kernels.dense", "gather_dense_kv"),
     ("s4kv.kernels.dense", "gather_own_keys"),
     ("vllm.v1.attention.backends.fa_utils", "flash_attn_varlen_func"),
-    ("vllm.v1.attention.ops.merge_attn_states", "merge_attn_states"),
     ("s4kv.kernels.store", "store_kv"),
     ("s4kv.kernels.store", "stage_open_keys"),
 )
