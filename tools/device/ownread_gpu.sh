@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The read rule on the lent H200 in one call (under 8 minutes): its GPU tests, then decode attention timed against
-# FA3 bf16 in the same run (the rule must cost no decode speed), then the FlashAttention prefill (int4_kivi's two
-# passes against int4_saw's one and FA3 bf16) at 8k and 32k. Each part is bounded and prints its bound.
+# FA3 bf16 in the same run (the rule must cost no decode speed), then the FlashAttention prefill (both schemes'
+# gather + FA pass against FA3 bf16) at 8k and 32k. Each part is bounded and prints its bound.
 # device run, carry [".vlb"], timeout_s 600:  bash tools/device/ownread_gpu.sh
 # Back in $OUT: ownread_tests.log, kernels.{json,md}, kernels.log, bench_prefill_chunked.json, prefill.log.
 set -uo pipefail
@@ -26,7 +26,7 @@ echo "decode exit $?"
 tail -20 "$OUT/kernels.log"
 
 PREFILL_S=${PREFILL_S:-110}
-echo "== prefill: FA3 bf16, int4_saw one pass, int4_kivi two passes, 8k and 32k prompts in 8k chunks, bounded to" \
+echo "== prefill: FA3 bf16, int4_saw and int4_kivi (gather + FA), 8k and 32k prompts in 8k chunks, bounded to" \
   "${PREFILL_S}s, at ${SECONDS}s"
 timeout "$PREFILL_S" python3 tools/device/bench_prefill.py --prompts 8192,32768 --chunk 8192 --no-cases > "$OUT/prefill.log" 2>&1
 echo "prefill exit $?"
