@@ -17,6 +17,8 @@ batches 1/32/128/256, for:
              inline PTX)
   s4kv_saw_rotv   int4_saw with its rotate_values option (values rotated like keys, as vLLM's int4 does), at the
              committed decode launch
+  s4kv_kivi_regs128, s4kv_saw_regs128   DECODE_LAUNCH with ptxas capped at 128 registers: four programs (16 warps)
+             per SM instead of three, no spills on sm_90 (tools/device/sass_stats.py)
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
 
 Every cache is filled through its own store path from the same random K/V, pages are handed out in a
@@ -54,7 +56,8 @@ BYTES_PER_TOKEN_HEAD = {"int4": 136, "fp8": 2 * HEAD_DIM, "bf16": 2 * HEAD_DIM *
 CODE_PATH_SUFFIX = {None: "", "biased": "_biased", "subnormal": "_sub", "biased+ptx": "_ptx",
                     "subnormal+ptx": "_sub_ptx"}
 METHODS = ("fa3_bf16", "fa3_fp8", "vllm_int4") + tuple(f"s4kv_{scheme}{suffix}" for suffix in CODE_PATH_SUFFIX.values()
-                                             for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv",)
+                                             for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv", "s4kv_kivi_regs128",
+                                                                                "s4kv_saw_regs128")
 FORMAT_OF = {method: {"fa3_bf16": "bf16", "fa3_fp8": "fp8"}.get(method, "int4") for method in METHODS}
 VLLM_BLOCK_SIZE = 16  # vLLM 0.26.0's default block size for FLASH_ATTN and TRITON_ATTN
 S4KV_BLOCK_SIZE = 128  # our backend forces 128 (a KIVI key group is one page)
@@ -316,10 +319,10 @@ def s4kv_decode_call(scheme, problem: DecodeProblem, cache: torch.Tensor, block_
 
 
 def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, block_table: torch.Tensor,
-               out: torch.Tensor):
+               out: torch.Tensor, max_registers: int | None = None):
     """Our cache filled by our store kernel, read by our paged attention: the scheme's decode launch with one code
-    path, or with ``code_path`` None the launch paged_attention picks itself (DECODE_LAUNCH); the split workspace
-    as our backend allocates it (splits by DECODE_SPLITS)."""
+    path, or with ``code_path`` None the launch paged_attention picks itself (DECODE_LAUNCH), or DECODE_LAUNCH with
+    ptxas capped at ``max_registers``; the split workspace as our backend allocates it (splits by DECODE_SPLITS)."""
     from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, SplitWorkspace
     from s4kv.kernels.scheme import Int4Scheme
 
@@ -328,6 +331,8 @@ def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, blo
     workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, HEAD_DIM, problem.device,
                                         scheme.name, max_num_seqs=problem.batch)
     launch = None if code_path is None else dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
+    if max_registers is not None:
+        launch = dataclasses.replace(launch or DECODE_LAUNCH[scheme.name], max_registers=max_registers)
     return s4kv_decode_call(scheme, problem, cache, block_table, out, workspace, launch)
 
 
@@ -339,6 +344,9 @@ DECODE_METHODS = {
     **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": f"int4_{scheme}"}, code_path))
        for code_path, suffix in CODE_PATH_SUFFIX.items() for scheme in ("kivi", "saw")},
     "s4kv_saw_rotv": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": "int4_saw", "rotate_values": True}, None)),
+    **{f"s4kv_{scheme}_regs128": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": f"int4_{scheme}"}, None,
+                                                          max_registers=128))
+       for scheme in ("kivi", "saw")},
 }
 
 
