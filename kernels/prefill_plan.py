@@ -43,6 +43,7 @@ class PrefillPass:
     cu_pages: torch.Tensor  # [num_seqs + 1] int32: sequence i's dense pages start at cu_pages[i]
     num_pages: int
     flash: FlashPass
+    own_pages: int = 0  # of num_pages, int4_kivi's second pages of blocks its chunks touch (at most one per block)
 
 
 def plan_prefill_pass(seq_lens: torch.Tensor, query_lens: torch.Tensor, is_kivi: bool) -> PrefillPass:
@@ -59,7 +60,7 @@ def plan_prefill_pass(seq_lens: torch.Tensor, query_lens: torch.Tensor, is_kivi:
             seqused_k=torch.tensor(seq_lens, dtype=torch.int32), max_seqlen_q=max(query_lens),
             max_seqlen_k=max(seq_lens))
         return PrefillPass(torch.tensor(cu_pages, dtype=torch.int32), cu_pages[-1], flash)
-    cu_pages, cu_q, rows, used = [0], [0], [], []
+    cu_pages, cu_q, rows, used, own_pages = [0], [0], [], [], 0
     for n, q in zip(seq_lens, query_lens):
         first, blocks = (n - q) // PAGE, cdiv(n, PAGE)
         start = cu_pages[-1]
@@ -69,9 +70,10 @@ def plan_prefill_pass(seq_lens: torch.Tensor, query_lens: torch.Tensor, is_kivi:
             rows.append(list(range(start, start + b)) + [own])
             used.append(min(n, (b + 1) * PAGE))
         cu_pages.append(start + blocks + (blocks - 1 - first))
+        own_pages += blocks - 1 - first
     flash = FlashPass(torch.tensor(cu_q, dtype=torch.int32), _tables(rows), torch.tensor(used, dtype=torch.int32),
                       max(b - a for a, b in zip(cu_q, cu_q[1:])), max(used))
-    return PrefillPass(torch.tensor(cu_pages, dtype=torch.int32), cu_pages[-1], flash)
+    return PrefillPass(torch.tensor(cu_pages, dtype=torch.int32), cu_pages[-1], flash, own_pages)
 
 
 def _cumulative(counts: list[int]) -> list[int]:

@@ -150,8 +150,10 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
     # launch depends on max_query_len (decode kernel vs prefill kernel), which is constant only in such batches.
     # Mixed prefill/decode batches run piecewise, attention eager.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
-    # Largest dense K+V buffer (bytes) a prefill batch may take beside the KV cache; a batch needing more (many
-    # long prefixes at once) runs its prefills through the int4 kernel instead: same cache, same numbers, slower.
+    # Largest dense K+V buffer (bytes) of the prefill sequences' pages a batch may take beside the KV cache; a batch
+    # needing more (many long prefixes at once) runs its prefills through the int4 kernel instead: same cache, same
+    # numbers, slower. int4_kivi's own pages come on top (at most one per 128 tokens of this step's chunks), so
+    # a prompt that fits bf16's pages keeps FlashAttention at every chunk.
     dense_budget_bytes: ClassVar[int] = 512 << 20
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
@@ -240,7 +242,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         spec = self.kv_cache_spec
         dtype = self.vllm_config.model_config.dtype
         page_shape = (PAGE, spec.num_kv_heads, spec.head_size)
-        if 2 * plan.num_pages * math.prod(page_shape) * dtype.itemsize > self.dense_budget_bytes:
+        if 2 * (plan.num_pages - plan.own_pages) * math.prod(page_shape) * dtype.itemsize > self.dense_budget_bytes:
             return None
         dense_k = torch.empty(plan.num_pages, *page_shape, dtype=dtype, device=self.device)
         return PrefillPlan(

@@ -82,7 +82,7 @@ def test_kivi_segments_read_earlier_blocks_per_channel_and_their_own_from_its_ow
     plan = plan_prefill_pass(torch.tensor([300, 150, 128, 276]), torch.tensor([200, 150, 98, 20]), True)
     flash = plan.flash
     # each sequence's blocks, then an own page for every block its chunk touches but the last
-    assert plan.cu_pages.tolist() == [0, 5, 8, 9, 12] and plan.num_pages == 12
+    assert plan.cu_pages.tolist() == [0, 5, 8, 9, 12] and (plan.num_pages, plan.own_pages) == (12, 3)
     # (100, 200): blocks 0, 1, 2 with 28, 128, 44 queries; (0, 150): 128, 22; (30, 98): 98; (256, 20): 20
     assert flash.cu_seqlens_q.tolist() == [0, 28, 156, 200, 328, 350, 448, 468]
     assert flash.seqused_k.tolist() == [128, 256, 300, 128, 150, 128, 276]
@@ -90,7 +90,7 @@ def test_kivi_segments_read_earlier_blocks_per_channel_and_their_own_from_its_ow
     assert rows == [[3], [0, 4], [0, 1, 2], [7], [5, 6], [8], [9, 10, 11]]
     assert (flash.max_seqlen_q, flash.max_seqlen_k) == (128, 300)
     saw = plan_prefill_pass(torch.tensor([300, 150]), torch.tensor([200, 150]), False)
-    assert saw.cu_pages.tolist() == [0, 3, 5] and saw.flash.seqused_k.tolist() == [300, 150]
+    assert saw.cu_pages.tolist() == [0, 3, 5] and saw.own_pages == 0 and saw.flash.seqused_k.tolist() == [300, 150]
     assert saw.flash.cu_seqlens_q.tolist() == [0, 200, 350] and saw.flash.block_table.tolist() == [[0, 1, 2], [3, 4, 3]]
 
 

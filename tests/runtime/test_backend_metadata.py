@@ -113,6 +113,19 @@ def test_int4_kivi_prefill_is_planned_as_one_pass_over_block_segments(model_dir)
     assert (plan.flash.max_seqlen_q, plan.flash.max_seqlen_k) == (128, 300)
 
 
+def test_the_dense_budget_counts_the_sequences_pages_and_int4_kivi_own_pages_come_on_top(model_dir):
+    """A 200-token chunk from position 100: three pages of the sequence (4 KV heads x 128 channels, bf16: 256 KiB
+    of K and V each) plus int4_kivi's two own pages. A budget of exactly the three keeps FlashAttention; one byte less
+    sends the prefill to the int4 kernel (no plan)."""
+    kivi = make_builder(model_dir, None, "int4_kivi")
+    page_bytes = 2 * 128 * 4 * 128 * 2
+    kivi.dense_budget_bytes = 3 * page_bytes
+    plan = kivi.build(0, batch([1, 200], [500, 100])).prefill
+    assert plan is not None and plan.dense_k.shape[0] == 5
+    kivi.dense_budget_bytes = 3 * page_bytes - 1
+    assert kivi.build(0, batch([1, 200], [500, 100])).prefill is None
+
+
 def test_int4_kivi_steps_with_prefill_list_their_closing_rows(model_dir, plain):
     """The store's close of a step with prefill (eager) runs over the rows that write a block's last slot, which the
     builder lists from the host lengths; decode-only steps (full CUDA graphs) and int4_saw list none."""
