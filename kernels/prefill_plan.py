@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import cdiv
-
 PAGE = 128  # the dense pages' size: int4_kivi's block, so a block is one page
 
 
@@ -49,41 +47,38 @@ class PrefillPass:
 def plan_prefill_pass(seq_lens: torch.Tensor, query_lens: torch.Tensor, is_kivi: bool) -> PrefillPass:
     """The pages and the FA pass for prefill sequences of ``seq_lens`` tokens (this step's included) of which the
     last ``query_lens`` are this step's queries, in query order (host int tensors)."""
-    seq_lens = seq_lens.tolist()
-    query_lens = query_lens.tolist()
+    seq_lens, query_lens = seq_lens.long(), query_lens.long()
+    blocks = (seq_lens + PAGE - 1) // PAGE
     if not is_kivi:
-        pages = [cdiv(n, PAGE) for n in seq_lens]
-        cu_pages = _cumulative(pages)
-        flash = FlashPass(
-            cu_seqlens_q=torch.tensor(_cumulative(query_lens), dtype=torch.int32),
-            block_table=_tables([list(range(cu_pages[i], cu_pages[i + 1])) for i in range(len(pages))]),
-            seqused_k=torch.tensor(seq_lens, dtype=torch.int32), max_seqlen_q=max(query_lens),
-            max_seqlen_k=max(seq_lens))
-        return PrefillPass(torch.tensor(cu_pages, dtype=torch.int32), cu_pages[-1], flash)
-    cu_pages, cu_q, rows, used, own_pages = [0], [0], [], [], 0
-    for n, q in zip(seq_lens, query_lens):
-        first, blocks = (n - q) // PAGE, cdiv(n, PAGE)
-        start = cu_pages[-1]
-        for b in range(first, blocks):
-            cu_q.append(cu_q[-1] + min(n, (b + 1) * PAGE) - max(n - q, b * PAGE))
-            own = start + b if b == blocks - 1 else start + blocks + b - first
-            rows.append(list(range(start, start + b)) + [own])
-            used.append(min(n, (b + 1) * PAGE))
-        cu_pages.append(start + blocks + (blocks - 1 - first))
-        own_pages += blocks - 1 - first
-    flash = FlashPass(torch.tensor(cu_q, dtype=torch.int32), _tables(rows), torch.tensor(used, dtype=torch.int32),
-                      max(b - a for a, b in zip(cu_q, cu_q[1:])), max(used))
-    return PrefillPass(torch.tensor(cu_pages, dtype=torch.int32), cu_pages[-1], flash, own_pages)
+        cu_pages = _cumulative(blocks)
+        flash = FlashPass(_cumulative(query_lens), _block_table(cu_pages[:-1], blocks - 1, cu_pages[1:] - 1),
+                          seq_lens.int(), int(query_lens.max()), int(seq_lens.max()))
+        return PrefillPass(cu_pages, int(cu_pages[-1]), flash)
+    # an entry per (sequence, block its chunk touches): every block from the chunk's first to the sequence's last
+    context = seq_lens - query_lens
+    first = context // PAGE
+    touched = blocks - first
+    own_pages = touched - 1
+    cu_pages = _cumulative(blocks + own_pages)
+    seq = torch.repeat_interleave(torch.arange(len(blocks)), touched)
+    block = first[seq] + torch.arange(int(touched.sum())) - torch.repeat_interleave(_cumulative(touched)[:-1], touched)
+    start, last = cu_pages[:-1][seq], blocks[seq] - 1
+    own = torch.where(block == last, start + block, start + blocks[seq] + block - first[seq])
+    used = torch.minimum(seq_lens[seq], (block + 1) * PAGE)
+    segment_q = used - torch.maximum(context[seq], block * PAGE)
+    flash = FlashPass(_cumulative(segment_q), _block_table(start, block, own), used.int(), int(segment_q.max()),
+                      int(used.max()))
+    return PrefillPass(cu_pages, int(cu_pages[-1]), flash, int(own_pages.sum()))
 
 
-def _cumulative(counts: list[int]) -> list[int]:
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return out
+def _cumulative(counts: torch.Tensor) -> torch.Tensor:
+    """[0, c0, c0 + c1, ...] as int32."""
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
 
 
-def _tables(rows: list[list[int]]) -> torch.Tensor:
-    """Block-table rows padded with each row's first page (never read: past seqused_k)."""
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.int32)
+def _block_table(start: torch.Tensor, count: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Rows ``start, start + 1, ..., start + count - 1, last``, padded with ``last`` (never read: past seqused_k),
+    int32."""
+    j = torch.arange(int(count.max()) + 1)[None, :]
+    start, count, last = start.long()[:, None], count[:, None], last.long()[:, None]
+    return torch.where(j < count, start + j, last).int()

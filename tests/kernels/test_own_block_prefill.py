@@ -91,7 +91,36 @@ def test_kivi_segments_read_earlier_blocks_per_channel_and_their_own_from_its_ow
     assert (flash.max_seqlen_q, flash.max_seqlen_k) == (128, 300)
     saw = plan_prefill_pass(torch.tensor([300, 150]), torch.tensor([200, 150]), False)
     assert saw.cu_pages.tolist() == [0, 3, 5] and saw.own_pages == 0 and saw.flash.seqused_k.tolist() == [300, 150]
-    assert saw.flash.cu_seqlens_q.tolist() == [0, 200, 350] and saw.flash.block_table.tolist() == [[0, 1, 2], [3, 4, 3]]
+    assert saw.flash.cu_seqlens_q.tolist() == [0, 200, 350] and saw.flash.block_table.tolist() == [[0, 1, 2], [3, 4, 4]]
+
+
+def test_segments_of_random_batches_follow_the_layout():
+    """The plan against the layout written out segment by segment (kernels/prefill_plan.py), on 200 random batches
+    of 1-6 prefill sequences: chunks from position 0 or mid-prefix, on and off block edges, 1 to 700 tokens."""
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        n_seqs = int(torch.randint(1, 7, (1,), generator=gen))
+        contexts = torch.randint(0, 900, (n_seqs,), generator=gen) * torch.randint(0, 2, (n_seqs,), generator=gen)
+        q_lens = torch.randint(1, 701, (n_seqs,), generator=gen)
+        plan = plan_prefill_pass(contexts + q_lens, q_lens, True)
+        cu_pages, cu_q, used, tables = [0], [0], [], []
+        for context, q in zip(contexts.tolist(), q_lens.tolist()):
+            n = context + q
+            first, last, start = context // B, (n - 1) // B, cu_pages[-1]
+            for b in range(first, last + 1):
+                cu_q.append(cu_q[-1] + min(n, (b + 1) * B) - max(context, b * B))
+                used.append(min(n, (b + 1) * B))
+                own = start + b if b == last else start + last + 1 + b - first
+                tables.append(list(range(start, start + b)) + [own])
+            cu_pages.append(start + last + 1 + last - first)
+        assert plan.cu_pages.tolist() == cu_pages and plan.num_pages == cu_pages[-1]
+        assert plan.own_pages == cu_pages[-1] - sum((n + B - 1) // B for n in (contexts + q_lens).tolist())
+        assert plan.flash.cu_seqlens_q.tolist() == cu_q and plan.flash.seqused_k.tolist() == used
+        table = plan.flash.block_table.tolist()
+        assert [row[: len(t)] for row, t in zip(table, tables)] == tables
+        assert all(0 <= page < plan.num_pages for row in table for page in row), "padding must name a real page"
+        assert (plan.flash.max_seqlen_q, plan.flash.max_seqlen_k) == (
+            max(b - a for a, b in zip(cu_q, cu_q[1:])), max(used))
 
 
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)

@@ -109,7 +109,7 @@ def test_int4_kivi_prefill_is_planned_as_one_pass_over_block_segments(model_dir)
     plan = make_builder(model_dir, None, "int4_kivi").build(0, batch([1, 200], [500, 100])).prefill
     assert plan.cu_pages.tolist() == [0, 5] and plan.dense_k.shape == plan.dense_v.shape == (5, 128, 4, 128)
     assert plan.flash.cu_seqlens_q.tolist() == [0, 28, 156, 200] and plan.flash.seqused_k.tolist() == [128, 256, 300]
-    assert plan.flash.block_table.tolist() == [[3, 3, 3], [0, 4, 0], [0, 1, 2]]
+    assert plan.flash.block_table.tolist() == [[3, 3, 3], [0, 4, 4], [0, 1, 2]]
     assert (plan.flash.max_seqlen_q, plan.flash.max_seqlen_k) == (128, 300)
 
 
