@@ -30,15 +30,19 @@ def rotate_halves(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
     """(x @ R) for fp16/bf16 x given as its two HALF-channel halves; R = blockdiag(H_b) / sqrt(b). Returns fp32.
 
     The +-1 signs are exact in 16 bits, so the products are exact and the dots run on tensor cores (fp32 values:
-    rotate_halves_fp32, not an fp32 dot, which is TF32 or, as "ieee", slow).
+    rotate_halves_fp32, not an fp32 dot, which is TF32 or, as "ieee", slow). One quadrant Q of R's sign pattern
+    serves all four: a block spanning both halves is Sylvester's [[Q, Q], [Q, -Q]], blocks within a half repeat Q on
+    the diagonal and leave the off-diagonal quadrants 0. So two dots and one generated quadrant, not four of each
+    (the pattern is built per program, which every decode split pays before its first tile).
     """
     dt = x_lo.dtype
-    y_lo = tl.dot(x_lo, hadamard_quadrant(0, 0, HADAMARD_BLOCK, HALF).to(dt)) + tl.dot(
-        x_hi, hadamard_quadrant(HALF, 0, HADAMARD_BLOCK, HALF).to(dt))
-    y_hi = tl.dot(x_lo, hadamard_quadrant(0, HALF, HADAMARD_BLOCK, HALF).to(dt)) + tl.dot(
-        x_hi, hadamard_quadrant(HALF, HALF, HADAMARD_BLOCK, HALF).to(dt))
+    q = hadamard_quadrant(0, 0, HADAMARD_BLOCK, HALF).to(dt)
+    a = tl.dot(x_lo, q)
+    b = tl.dot(x_hi, q)
     norm = 1.0 / tl.sqrt(HADAMARD_BLOCK * 1.0)
-    return y_lo * norm, y_hi * norm
+    if HADAMARD_BLOCK > HALF:
+        return (a + b) * norm, (a - b) * norm
+    return a * norm, b * norm
 
 
 @triton.jit
