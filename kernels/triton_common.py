@@ -8,14 +8,15 @@ EPS = tl.constexpr(2.0**-14)  # same as reference.EPS
 
 
 @triton.jit
-def hadamard_quadrant(ROW0: tl.constexpr, COL0: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
-    """HALF x HALF quadrant (rows ROW0.., cols COL0..) of the unnormalized block-diagonal Sylvester Hadamard.
+def hadamard_quadrant(HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
+    """The HALF x HALF top-left quadrant of the unnormalized block-diagonal Sylvester Hadamard (rotate_halves says
+    how it gives the other three).
 
     Entry (i, j) is (-1)^popcount(i & j) inside a diagonal block and 0 outside: built from the indices,
     so no matrix is loaded, and +-1 is exact in fp16/bf16 (the 1/sqrt(b) is applied in fp32 after the dot).
     """
-    i = ROW0 + tl.arange(0, HALF)[:, None]
-    j = COL0 + tl.arange(0, HALF)[None, :]
+    i = tl.arange(0, HALF)[:, None]
+    j = tl.arange(0, HALF)[None, :]
     bits = (i % HADAMARD_BLOCK) & (j % HADAMARD_BLOCK)
     bits = bits ^ (bits >> 4)
     bits = bits ^ (bits >> 2)
@@ -36,7 +37,7 @@ def rotate_halves(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
     (the pattern is built per program, which every decode split pays before its first tile).
     """
     dt = x_lo.dtype
-    q = hadamard_quadrant(0, 0, HADAMARD_BLOCK, HALF).to(dt)
+    q = hadamard_quadrant(HADAMARD_BLOCK, HALF).to(dt)
     a = tl.dot(x_lo, q)
     b = tl.dot(x_hi, q)
     norm = 1.0 / tl.sqrt(HADAMARD_BLOCK * 1.0)
