@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PAGE = 128  # the dense pages' size: int4_kivi's block, so a block is one page
@@ -46,39 +47,42 @@ class PrefillPass:
 
 def plan_prefill_pass(seq_lens: torch.Tensor, query_lens: torch.Tensor, is_kivi: bool) -> PrefillPass:
     """The pages and the FA pass for prefill sequences of ``seq_lens`` tokens (this step's included) of which the
-    last ``query_lens`` are this step's queries, in query order (host int tensors)."""
-    seq_lens, query_lens = seq_lens.long(), query_lens.long()
+    last ``query_lens`` are this step's queries, in query order (host int tensors). Planned in numpy: the builder runs
+    it every step with a prefill, and numpy's small-array operations cost the host a fraction of torch's."""
+    seq_lens, query_lens = seq_lens.numpy().astype(np.int64), query_lens.numpy().astype(np.int64)
     blocks = (seq_lens + PAGE - 1) // PAGE
     if not is_kivi:
         cu_pages = _cumulative(blocks)
-        flash = FlashPass(_cumulative(query_lens), _block_table(cu_pages[:-1], blocks - 1, cu_pages[1:] - 1),
-                          seq_lens.int(), int(query_lens.max()), int(seq_lens.max()))
-        return PrefillPass(cu_pages, int(cu_pages[-1]), flash)
+        flash = FlashPass(_int32(_cumulative(query_lens)), _block_table(cu_pages[:-1], blocks - 1, cu_pages[1:] - 1),
+                          _int32(seq_lens), int(query_lens.max()), int(seq_lens.max()))
+        return PrefillPass(_int32(cu_pages), int(cu_pages[-1]), flash)
     # an entry per (sequence, block its chunk touches): every block from the chunk's first to the sequence's last
     context = seq_lens - query_lens
     first = context // PAGE
     touched = blocks - first
     own_pages = touched - 1
     cu_pages = _cumulative(blocks + own_pages)
-    seq = torch.repeat_interleave(torch.arange(len(blocks)), touched)
-    block = first[seq] + torch.arange(int(touched.sum())) - torch.repeat_interleave(_cumulative(touched)[:-1], touched)
+    seq = np.repeat(np.arange(len(blocks)), touched)
+    block = first[seq] + np.arange(int(touched.sum())) - np.repeat(_cumulative(touched)[:-1], touched)
     start, last = cu_pages[:-1][seq], blocks[seq] - 1
-    own = torch.where(block == last, start + block, start + blocks[seq] + block - first[seq])
-    used = torch.minimum(seq_lens[seq], (block + 1) * PAGE)
-    segment_q = used - torch.maximum(context[seq], block * PAGE)
-    flash = FlashPass(_cumulative(segment_q), _block_table(start, block, own), used.int(), int(segment_q.max()),
-                      int(used.max()))
-    return PrefillPass(cu_pages, int(cu_pages[-1]), flash, int(own_pages.sum()))
+    own = np.where(block == last, start + block, start + blocks[seq] + block - first[seq])
+    used = np.minimum(seq_lens[seq], (block + 1) * PAGE)
+    segment_q = used - np.maximum(context[seq], block * PAGE)
+    flash = FlashPass(_int32(_cumulative(segment_q)), _block_table(start, block, own), _int32(used),
+                      int(segment_q.max()), int(used.max()))
+    return PrefillPass(_int32(cu_pages), int(cu_pages[-1]), flash, int(own_pages.sum()))
 
 
-def _cumulative(counts: torch.Tensor) -> torch.Tensor:
-    """[0, c0, c0 + c1, ...] as int32."""
-    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
+def _cumulative(counts: np.ndarray) -> np.ndarray:
+    """[0, c0, c0 + c1, ...]."""
+    return np.concatenate([[0], np.cumsum(counts)])
 
 
-def _block_table(start: torch.Tensor, count: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """Rows ``start, start + 1, ..., start + count - 1, last``, padded with ``last`` (never read: past seqused_k),
-    int32."""
-    j = torch.arange(int(count.max()) + 1)[None, :]
-    start, count, last = start.long()[:, None], count[:, None], last.long()[:, None]
-    return torch.where(j < count, start + j, last).int()
+def _block_table(start: np.ndarray, count: np.ndarray, last: np.ndarray) -> torch.Tensor:
+    """Rows ``start, start + 1, ..., start + count - 1, last``, padded with ``last`` (never read: past seqused_k)."""
+    j = np.arange(int(count.max()) + 1)[None, :]
+    return _int32(np.where(j < count[:, None], start[:, None] + j, last[:, None]))
+
+
+def _int32(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32))
