@@ -135,3 +135,16 @@ def test_copies_in_flight_reads_the_pipeline_depth(tmp_path_factory):
     in_flight = {stages: table_row(table, f"int4_kivi bf16 subnormal+ptx {stages}")["copy groups in flight at the wait"]
                  for stages in ("128x4x3", "128x4x5")}
     assert in_flight["128x4x3"] == "0" and int(in_flight["128x4x5"]) > 0, in_flight
+
+
+def test_int4_saw_rotates_q_in_a_short_prologue(kivi_decode, saw_stats):
+    """A decode split at batch 1 holds one tile, so what a program runs before its first tile weighs as much as the
+    loop. int4_saw's is q's rotation: built from one sign quadrant and two dots it stays within 3x int4_kivi's
+    prologue (no rotation) and under the tile loop's length; four generated quadrants and four dots made it 6x
+    (1,771 against 288 instructions) and longer than the loop."""
+    _, kivi_cells = kivi_decode
+    saw_table, _ = saw_stats
+    saw_cells = committed_row(saw_table, "int4_saw")
+    saw_prologue = int(saw_cells["instructions before the first tile"])
+    assert saw_prologue < 3 * int(kivi_cells["instructions before the first tile"]), (saw_cells, kivi_cells)
+    assert saw_prologue < int(saw_cells["total"]), saw_cells

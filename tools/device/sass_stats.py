@@ -8,7 +8,8 @@ this compiles ``_paged_attention_kernel`` as ``paged_attention`` launches it for
 launch: 16-byte aligned cache/query pointers and strides, metadata pointers unspecialized), disassembles it and
 prints, per variant, the instructions of its hottest loop by class, per KV tile and per code, its registers, shared
 memory and warps per SM, the asynchronous-copy groups left in flight at the loop's wait (0: no load overlaps the
-program's own compute) and the CTA barriers per tile (where a program's warps wait for each other).
+program's own compute), the CTA barriers per tile (where a program's warps wait for each other) and the instructions
+before the first tile (the prologue every program runs once).
 
     python tools/device/sass_stats.py                      # every decode launch of both schemes, bf16 and fp16
     python tools/device/sass_stats.py --json out.json      # also each loop's histogram of instructions (mnemonics)
@@ -133,10 +134,12 @@ def _opcode(instruction: str) -> str:
     return _mnemonic(instruction).split(".")[0]
 
 
-def hottest_loop(instructions: list[tuple[int, str]], labels: dict[str, int]) -> list[str]:
-    """Instructions of the first tile loop (the longest span from a backward branch's target to the branch among
-    the loops that start first and hold MMA): the tiles before a program's own blocks, where decode spends its time;
-    int4_kivi's own-block loop (original keys) comes after it and runs at most a tile or two per program."""
+def hottest_loop(instructions: list[tuple[int, str]], labels: dict[str, int]) -> tuple[int, list[str]]:
+    """(how many instructions come before it, its instructions) of the first tile loop (the longest span from a
+    backward branch's target to the branch among the loops that start first and hold MMA): the tiles before a
+    program's own blocks, where decode spends its time; int4_kivi's own-block loop (original keys) comes after it
+    and runs at most a tile or two per program. What comes before it every program runs once (its prologue: q's
+    load and, for int4_saw, its rotation), which is as much as the loop where a split holds one tile (batch 1)."""
     spans = []
     for index, (address, text) in enumerate(instructions):
         m = re.search(r"\bBRA\b.*?(\.L_x_\d+)", text)
@@ -147,7 +150,7 @@ def hottest_loop(instructions: list[tuple[int, str]], labels: dict[str, int]) ->
             spans.append((start, index))
     first = min(start for start, _ in spans)
     start, end = max((s for s in spans if s[0] == first), key=lambda s: s[1] - s[0])
-    return [text for _, text in instructions[start : end + 1]]
+    return start, [text for _, text in instructions[start : end + 1]]
 
 
 def copies_in_flight(loop: list[str]) -> int | None:
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     [t for t in args.launches.split(",") if t]):
         print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
         kernel = compile_decode(scheme, q_dtype, launch)
-        loop = hottest_loop(*disassemble(kernel.cubin))
+        prologue, loop = hottest_loop(*disassemble(kernel.cubin))
         usage = resources(kernel.cubin)
         opcodes = Counter(_opcode(text) for text in loop)
         tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
@@ -221,19 +224,19 @@ def main(argv: list[str] | None = None) -> int:
         codes_per_thread = 2 * tile * 128 / (32 * launch.num_warps)  # K and V codes of one tile, per thread
         occupancy = warps_per_sm(usage["REG"], kernel.shared_bytes, launch.num_warps)
         rows.append((label, classify(opcodes), codes_per_thread, usage, kernel.shared_bytes, occupancy,
-                     copies_in_flight(loop), cta_barriers(loop)))
+                     copies_in_flight(loop), cta_barriers(loop), prologue))
 
     names = list(CLASSES) + ["other", "total"]
     # a thread's instructions per tile over its share of the tile's codes = issue slots per code, comparable
     # across tiles and warp counts
     print("| variant (tile x warps x stages) | " + " | ".join(names) + " | instructions per code "
           "| registers | spill bytes | shared memory bytes | warps per SM | copy groups in flight at the wait "
-          "| CTA barriers per tile |")
-    print("|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|")
-    for label, table, codes, usage, shared_bytes, occupancy, in_flight, barriers in rows:
+          "| CTA barriers per tile | instructions before the first tile |")
+    print("|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|---|")
+    for label, table, codes, usage, shared_bytes, occupancy, in_flight, barriers, prologue in rows:
         print(f"| {label} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} "
               f"| {usage['REG']} | {usage['LOCAL']} | {shared_bytes:,} | {occupancy} "
-              f"| {'no wait' if in_flight is None else in_flight} | {barriers} |")
+              f"| {'no wait' if in_flight is None else in_flight} | {barriers} | {prologue} |")
     if args.json:
         args.json.write_text(json.dumps(histograms, indent=1))
     return 0
