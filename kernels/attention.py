@@ -409,14 +409,21 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
     PAIRED_PARAMS: tl.constexpr, WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    if DECODE:  # every query is one token: a program per sequence, no search, its loads in one round trip
+        seq = q_block
+    else:
+        seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    local_block = q_block - (q_start // BLOCK_Q + seq)
+    if DECODE:
+        local_block = tl.zeros([], tl.int32)
+    else:
+        local_block = q_block - (q_start // BLOCK_Q + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
     kv_end = context + tl.minimum(q_len, (local_block + 1) * BLOCK_Q)
@@ -536,10 +543,15 @@ def _merge_splits_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    # the three loads in one memory round trip before the partials' loads, not two: the test reads seq_len too
+    # (a row with a query has seq_len >= 1), so the compiler cannot sink its load past the branch (at batch 1 the
+    # merge is a third of the step, and its round trips are most of it)
     q_start = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) > q_start:
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if (q_end > q_start) & (seq_len > 0):
         split = tl.arange(0, NUM_SPLITS)
-        live = split < _live_splits(tl.load(seq_lens_ptr + seq), TILE, NUM_SPLITS, MIN_SPLIT_TILES)
+        live = split < _live_splits(seq_len, TILE, NUM_SPLITS, MIN_SPLIT_TILES)
         part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + split
         m = tl.load(part_ml_ptr + part * 2, mask=live, other=float("-inf"))
         l = tl.load(part_ml_ptr + part * 2 + 1, mask=live, other=0.0)
@@ -719,7 +731,8 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     if num_splits > 1 and (workspace.num_q_heads != num_q_heads or workspace.part_acc.shape[1] != head_dim):
         raise ValueError("workspace was allocated for another number of query heads or another head_dim")
     dummy = out if num_splits == 1 else None
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    # query blocks: a sequence's start at qsl[i] // block_q + i (_find_sequence); a decode's only one at i
+    grid = (num_seqs if decode else num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, out, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, query_start_loc,
         workspace.part_acc if num_splits > 1 else dummy, workspace.part_ml if num_splits > 1 else dummy,
@@ -732,7 +745,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
         PAIRED_PARAMS=launch.paired_param_loads, WARP_SPLIT=launch.warp_split, WARPS=launch.num_warps,
-        MIN_SPLIT_TILES=plan.min_split_tiles,
+        MIN_SPLIT_TILES=plan.min_split_tiles, DECODE=decode,
         **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **compiler_options,
     )
