@@ -145,10 +145,17 @@ def _gather_own_keys_kernel(
             tl.store(dense_v_ptr + own + HALF, tl.load(dense_v_ptr + page + HALF))
 
 
-def _check_pages(dense: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int) -> None:
-    if dense.dim() != 4 or tuple(dense.shape[1:]) != (block_size, num_kv_heads, head_dim) or dense.stride(-1) != 1:
+def _check_pages(dense_k: torch.Tensor, dense_v: torch.Tensor, block_size: int, num_kv_heads: int,
+                 head_dim: int) -> None:
+    """Both page buffers [pages, block_size, Hkv, head_dim] with contiguous channels and one layout: the kernels
+    address both with dense_k's strides."""
+    pages_of = (block_size, num_kv_heads, head_dim)
+    if dense_k.dim() != 4 or tuple(dense_k.shape[1:]) != pages_of or dense_k.stride(-1) != 1:
         raise ValueError(f"dense pages must be [pages, {block_size}, {num_kv_heads}, {head_dim}] with contiguous "
-                         f"channels, got {tuple(dense.shape)} strides {dense.stride()}")
+                         f"channels, got {tuple(dense_k.shape)} strides {dense_k.stride()}")
+    if dense_v.shape != dense_k.shape or dense_v.stride() != dense_k.stride():
+        raise ValueError(f"dense_k and dense_v must have one shape and layout, got {tuple(dense_k.shape)} strides "
+                         f"{dense_k.stride()} and {tuple(dense_v.shape)} strides {dense_v.stride()}")
 
 
 def gather_dense_kv(kv_cache, block_table, seq_lens, cu_pages, max_seq_len: int, scheme: Int4Scheme, dense_k,
@@ -163,8 +170,7 @@ def gather_dense_kv(kv_cache, block_table, seq_lens, cu_pages, max_seq_len: int,
     block_size = layout.block_size
     if scheme.is_kivi and block_size != KIVI_BLOCK_SIZE:
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
-    for dense in (dense_k, dense_v):
-        _check_pages(dense, block_size, num_kv_heads, head_dim)
+    _check_pages(dense_k, dense_v, block_size, num_kv_heads, head_dim)
     if num_seqs == 0 or max_seq_len == 0:
         return
     tile = tile_tokens(block_size, TILE)
@@ -191,11 +197,7 @@ def gather_own_keys(new_keys, staged_keys, sequence_slots, seq_lens, query_start
     _, block_size, num_kv_heads, head_dim = dense_k.shape
     check_pool_read(staged_keys, sequence_slots, num_seqs, num_kv_heads, head_dim, Int4Scheme("int4_kivi"))
     check_new_keys(new_keys, 0, num_kv_heads, head_dim, staged_keys.dtype)
-    for dense in (dense_k, dense_v):
-        _check_pages(dense, KIVI_BLOCK_SIZE, num_kv_heads, head_dim)
-    if dense_v.shape != dense_k.shape or dense_v.stride() != dense_k.stride():
-        raise ValueError(f"dense_k and dense_v must have one shape and layout, got {tuple(dense_k.shape)} strides "
-                         f"{dense_k.stride()} and {tuple(dense_v.shape)} strides {dense_v.stride()}")
+    _check_pages(dense_k, dense_v, KIVI_BLOCK_SIZE, num_kv_heads, head_dim)
     if staged_keys.stride(-1) != 1:
         raise ValueError(f"staged_keys must have contiguous channels, got strides {staged_keys.stride()}")
     if num_seqs == 0 or max_query_len == 0:

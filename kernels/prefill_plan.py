@@ -1,4 +1,4 @@
-"""Host planning of the FlashAttention prefill pass over dense pages (kernels/dense.py), plain torch.
+"""Host planning of the FlashAttention prefill pass over dense pages (kernels/dense.py), numpy.
 
 Every prefill sequence's K/V is gathered into 128-token dense pages, sequence i's page p at ``cu_pages[i] + p``, and
 one FA call reads them through a block table with ``seqused_k`` keys per batch entry, causal (bottom-right aligned).

@@ -111,3 +111,17 @@ def test_any_page_size_is_gathered_right_or_rejected(gen, kernel_device, block_s
         assert "block_size" in str(error)
         return
     assert_gathered_as_the_reference_reads(batch, cache, scheme, [0, 1], 128, *dense)
+
+
+def test_pages_of_another_shape_or_layout_are_rejected(gen, kernel_device):
+    """The kernel addresses dense_v with dense_k's strides: a dense_v of another shape or layout would be written
+    wrong, so it is refused."""
+    scheme = SCHEMES["saw128"]
+    batch = make_paged_batch(gen, [(100, 5)], 4, 2, block_size=128, dtype=torch.float16, device=kernel_device)
+    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
+    dense_k = torch.zeros(2, 128, 2, 128, dtype=torch.float16, device=kernel_device)
+    cu_pages = torch.tensor([0, 1], dtype=torch.int32, device=kernel_device)
+    for dense_v in (torch.zeros(3, 128, 2, 128, dtype=torch.float16, device=kernel_device),
+                    torch.zeros(2, 2, 128, 128, dtype=torch.float16, device=kernel_device).transpose(1, 2)):
+        with pytest.raises(ValueError, match="one shape and layout"):
+            gather_dense_kv(cache, batch.block_table, batch.seq_lens, cu_pages, 105, scheme, dense_k, dense_v, 128)
