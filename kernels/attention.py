@@ -61,6 +61,13 @@ class LaunchConfig:
     # (no row maximum or sum across warps, no P exchanged through shared memory), at the cost of a [GROUP, D]
     # accumulator per warp instead of per program
     warp_split: bool = False
+    # codes read two bytes per element (int16) instead of one: keys as four channel quarters, values as the even and
+    # odd tokens of a tile (_load_key_parts, _load_value_parts). From 8-bit elements Triton lays both MMA operands
+    # out four 16-bit values per thread (kWidth 4), which the hardware fragments do not match: q is reloaded from
+    # shared memory each tile and moved into place, P takes 64-bit shared loads and moves, and each byte's nibbles
+    # are spread into 16-bit lanes with PRMT. From 16-bit elements (kWidth 2) q and P load with ldmatrix and a pair's
+    # nibbles come out with a shift and a mask (tools/device/sass_stats.py counts both loops)
+    wide_code_loads: bool = False
 
 
 # The ways codes become MMA operands, by name (LaunchConfig fields): what the GPU tests check and the tuning and
@@ -168,9 +175,31 @@ def _ptx_unpack_source(bias_bits: int | None = None, subtract: str | None = None
     return "{" + _PTX_SPREAD + body + "\n}"
 
 
+# Inline PTX for _unpack_quarters: two int16 elements in $4 (element k in lane k, each two code bytes) become nibble n
+# of both in $n, n = 0..3, element k in lane k. The nibbles of a pair sit where the 16-bit lanes want them, so no
+# byte spreading: a shift, a mask with the bias ORed in (one lop3) and the packed subtract per two codes.
+def _ptx_unpack_quarters_source(bias_bits: int | None = None, subtract: str | None = None) -> str:
+    """The asm of one code format, as _ptx_unpack_source's."""
+    lines = [".reg .b32 shifted, t, bias;"]
+    if bias_bits is not None:
+        lines.append(f"mov.b32 bias, 0x{bias_bits:04X}{bias_bits:04X};")
+    for nibble in range(4):
+        src = "$4" if nibble == 0 else "shifted"
+        if nibble:
+            lines.append(f"shr.b32 shifted, $4, {4 * nibble};")
+        if bias_bits is None:
+            lines.append(f"and.b32 ${nibble}, {src}, 0x000F000F;")
+        else:
+            lines += [f"lop3.b32 t, {src}, 0x000F000F, bias, 0xEA;", f"{subtract} ${nibble}, t, bias;"]
+    return "{\n    " + "\n    ".join(lines) + "\n}"
+
+
 _PTX_SUBNORMAL = tl.constexpr(_ptx_unpack_source())
 _PTX_BIASED_BF16 = tl.constexpr(_ptx_unpack_source(BF16_CODE_BIAS[0], "sub.rn.bf16x2"))
 _PTX_BIASED_FP16 = tl.constexpr(_ptx_unpack_source(FP16_CODE_BIAS[0], "sub.rn.f16x2"))
+_PTX_QUARTERS_SUBNORMAL = tl.constexpr(_ptx_unpack_quarters_source())
+_PTX_QUARTERS_BIASED_BF16 = tl.constexpr(_ptx_unpack_quarters_source(BF16_CODE_BIAS[0], "sub.rn.bf16x2"))
+_PTX_QUARTERS_BIASED_FP16 = tl.constexpr(_ptx_unpack_quarters_source(FP16_CODE_BIAS[0], "sub.rn.f16x2"))
 
 
 @triton.jit
@@ -186,6 +215,105 @@ def _unpack_ptx(packed, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr):
         lo, hi = tl.inline_asm_elementwise(_PTX_BIASED_FP16, "=r,=r,=r,=r,r", [packed],
                                            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     return lo, hi
+
+
+@triton.jit
+def _unpack_quarters(packed, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr,
+                     CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr):
+    """Nibbles 0-3 of int16 ``packed`` (the low and high nibble of its first byte, then of its second), exact, as
+    _codes_as_float makes them."""
+    if PTX_UNPACK:
+        if SUBNORMAL:
+            parts = tl.inline_asm_elementwise(_PTX_QUARTERS_SUBNORMAL, "=r,=r,=r,=r,r", [packed],
+                                              dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+        elif IS_BF16:
+            parts = tl.inline_asm_elementwise(_PTX_QUARTERS_BIASED_BF16, "=r,=r,=r,=r,r", [packed],
+                                              dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+        else:
+            parts = tl.inline_asm_elementwise(_PTX_QUARTERS_BIASED_FP16, "=r,=r,=r,=r,r", [packed],
+                                              dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+    else:
+        parts = (_codes_as_float(packed & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
+                 _codes_as_float((packed >> 4) & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
+                 _codes_as_float((packed >> 8) & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
+                 _codes_as_float((packed >> 12) & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS))
+    return parts
+
+
+@triton.jit
+def _channel_parts(HALF: tl.constexpr, WIDE: tl.constexpr):
+    """The channels of each part keys and queries are split in: halves (j, HALF + j), or, read two bytes at a time
+    (LaunchConfig.wide_code_loads), quarters (2i, HALF + 2i, 2i + 1, HALF + 2i + 1): byte j of a token holds
+    channels j and HALF + j (layout.py)."""
+    if WIDE:
+        i = tl.arange(0, HALF // 2)
+        parts = (2 * i, HALF + 2 * i, 2 * i + 1, HALF + 2 * i + 1)
+    else:
+        j = tl.arange(0, HALF)
+        parts = (j, HALF + j)
+    return parts
+
+
+@triton.jit
+def _query_parts(x_lo, x_hi, WIDE: tl.constexpr):
+    """Query rows given as their two halves, split like _channel_parts."""
+    if WIDE:
+        a, c = tl.split(tl.reshape(x_lo, [x_lo.shape[0], x_lo.shape[1] // 2, 2]))
+        b, d = tl.split(tl.reshape(x_hi, [x_hi.shape[0], x_hi.shape[1] // 2, 2]))
+        parts = (a, b, c, d)
+    else:
+        parts = (x_lo, x_hi)
+    return parts
+
+
+@triton.jit
+def _load_key_parts(cache_u8_ptr, page, offset, WIDE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr,
+                    CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr):
+    """A tile's key codes as [TILE, channels] parts over _channel_parts' channels, exact (_load_codes)."""
+    if WIDE:  # token t's int16 word i holds bytes 2i and 2i + 1
+        i = tl.arange(0, HALF // 2)
+        words = cache_u8_ptr.to(tl.pointer_type(tl.int16)) + page // 2
+        parts = _unpack_quarters(tl.load(words + offset[:, None] * (HALF // 2) + i[None, :]), PTX_UNPACK,
+                                 SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+    else:
+        parts = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16,
+                            CODE_BIAS_BITS, CODE_BIAS, HALF)
+    return parts
+
+
+@triton.jit
+def _load_value_parts(cache_u8_ptr, page, region, in_page, WIDE: tl.constexpr, TILE: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
+                      IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
+                      HALF: tl.constexpr):
+    """A tile's value codes (the tile starts at slot ``in_page``, a multiple of TILE), exact: two [TILE, HALF]
+    halves (_load_codes), or, read two bytes at a time, four [TILE // 2, HALF] parts: channels j and HALF + j of
+    the tile's even tokens, then of its odd ones (_accumulate_values pairs them with P's columns)."""
+    if WIDE:  # channel byte j's int16 word i holds tokens 2i and 2i + 1
+        pair = tl.arange(0, TILE // 2)
+        j = tl.arange(0, HALF)
+        words = cache_u8_ptr.to(tl.pointer_type(tl.int16)) + (page + region + in_page) // 2
+        packed = tl.trans(tl.load(words + j[:, None] * (BLOCK_SIZE // 2) + pair[None, :]))
+        parts = _unpack_quarters(packed, PTX_UNPACK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+    else:
+        parts = _load_codes(cache_u8_ptr, page, region, in_page + tl.arange(0, TILE), True, BLOCK_SIZE,
+                            PTX_UNPACK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
+    return parts
+
+
+@triton.jit
+def _accumulate_values(acc_lo, acc_hi, p_scaled, v_parts):
+    """acc + P @ V for the value parts of _load_value_parts: two halves, or (channels j and HALF + j) of the even
+    tokens, then of the odd ones, each against P's columns of those tokens."""
+    if len(v_parts) == 4:
+        p_even, p_odd = tl.split(tl.reshape(p_scaled, [p_scaled.shape[0], p_scaled.shape[1] // 2, 2]))
+        acc_lo = tl.dot(p_odd, v_parts[2], tl.dot(p_even, v_parts[0], acc_lo))
+        acc_hi = tl.dot(p_odd, v_parts[3], tl.dot(p_even, v_parts[1], acc_hi))
+    else:
+        acc_lo = tl.dot(p_scaled, v_parts[0], acc_lo)
+        acc_hi = tl.dot(p_scaled, v_parts[1], acc_hi)
+    return acc_lo, acc_hi
 
 
 @triton.jit
@@ -211,26 +339,37 @@ def _load_codes(cache_u8_ptr, page, region, offset, CHANNEL_MAJOR: tl.constexpr,
 
 
 @triton.jit
-def _scores_per_token(q_lo, q_hi, q_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
+def _scores_per_token(q_parts, q_sum, k_parts, cache_f16_ptr, k_params, offset, written,
                       CODE_SCALE: tl.constexpr, PAIRED: tl.constexpr):
-    """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys."""
+    """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys; Q and
+    the codes split alike (_channel_parts)."""
     s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written, PAIRED)
-    raw = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+    raw = tl.dot(q_parts[0], tl.trans(k_parts[0]))
+    for part in tl.static_range(1, len(k_parts)):
+        raw = tl.dot(q_parts[part], tl.trans(k_parts[part]), raw)
     return raw * (s_t * CODE_SCALE)[None, :] + q_sum[:, None] * m_t[None, :]
 
 
 @triton.jit
-def _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE: tl.constexpr,
-                        HALF: tl.constexpr, PAIRED: tl.constexpr):
-    """Q K^T for a KIVI block closed per channel (unrotated keys, per-channel params): (Q * scale) . codes + Q . min."""
-    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF, PAIRED)
-    dt = q_lo.dtype
-    q32_lo = q_lo.to(tl.float32)
-    q32_hi = q_hi.to(tl.float32)
-    qs_lo = (q32_lo * s_lo).to(dt)
-    qs_hi = (q32_hi * s_hi).to(dt)
-    bias = tl.sum(q32_lo * m_lo, 1) + tl.sum(q32_hi * m_hi, 1)
-    raw = tl.dot(qs_lo, tl.trans(k_lo)) + tl.dot(qs_hi, tl.trans(k_hi))
+def _channel_part_scores(q, k, channels, cache_f16_ptr, k_params, PAIRED: tl.constexpr):
+    """(Q * scale) . codes and Q . min over one part's channels of a block closed per channel."""
+    scale, minimum = load_channel_params(cache_f16_ptr, k_params, channels, PAIRED)
+    q32 = q.to(tl.float32)
+    return tl.dot((q32 * scale).to(q.dtype), tl.trans(k)), tl.sum(q32 * minimum, 1)
+
+
+@triton.jit
+def _scores_per_channel(q_parts, k_parts, cache_f16_ptr, k_params, CODE_SCALE: tl.constexpr, HALF: tl.constexpr,
+                        PAIRED: tl.constexpr):
+    """Q K^T for a KIVI block closed per channel (unrotated keys, per-channel params): (Q * scale) . codes + Q . min,
+    summed over the parts Q and the codes are split in (_channel_parts)."""
+    channels = _channel_parts(HALF, len(k_parts) == 4)
+    raw, bias = _channel_part_scores(q_parts[0], k_parts[0], channels[0], cache_f16_ptr, k_params, PAIRED)
+    for part in tl.static_range(1, len(k_parts)):
+        part_raw, part_bias = _channel_part_scores(q_parts[part], k_parts[part], channels[part], cache_f16_ptr,
+                                                   k_params, PAIRED)
+        raw += part_raw
+        bias += part_bias
     return raw * CODE_SCALE + bias[:, None]
 
 
@@ -257,17 +396,18 @@ def _scores_from_originals(q_rows, row_live, new_keys_ptr, new_key_rows, staged_
 
 
 @triton.jit
-def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
+def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_sum, q_rows, row_live, q_pos,
                  seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                  block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                  new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                  OWN: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
                  IS_KIVI: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
                  CODE_SCALE: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
-                 CODE_BIAS: tl.constexpr, HALF: tl.constexpr, PAIRED: tl.constexpr):
+                 CODE_BIAS: tl.constexpr, HALF: tl.constexpr, PAIRED: tl.constexpr, WIDE: tl.constexpr):
     """One K/V tile into the online softmax (m_i, l_i) and the accumulators; OWN: the tile may hold keys of a
-    query's own block (int4_kivi reads them from the original keys)."""
-    dt = q_lo.dtype
+    query's own block (int4_kivi reads them from the original keys). q_parts (int4_kivi) and qr_parts (int4_saw,
+    rotated) are the query rows split as the codes are read (_channel_parts; WIDE: LaunchConfig.wide_code_loads)."""
+    dt = q_parts[0].dtype
     layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
     layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
     layout_k_params: tl.constexpr = (2 * HALF + 4) * BLOCK_SIZE
@@ -275,17 +415,18 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
     logical_block = start // BLOCK_SIZE
     physical = tl.load(block_table_ptr + seq * block_table_stride + logical_block).to(tl.int64)
     page = physical * stride_block + kv_head * stride_head
-    offset = tl.multiple_of(start % BLOCK_SIZE, TILE) + tl.arange(0, TILE)  # aligned: vector loads
+    in_page = tl.multiple_of(start % BLOCK_SIZE, TILE)  # aligned: vector loads
+    offset = in_page + tl.arange(0, TILE)
     k_pos = start + tl.arange(0, TILE)
     # slots past the sequence end hold stale bytes: never let them reach the P @ V product
     written = k_pos < seq_len
     k_params = (page + layout_k_params) // 2
     # the key codes are loaded outside the branches: Triton's pipeliner prefetches only top-level loads
-    k_lo, k_hi = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL,
-                             IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
+    k_parts = _load_key_parts(cache_u8_ptr, page, offset, WIDE, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16,
+                              CODE_BIAS_BITS, CODE_BIAS, HALF)
     if IS_KIVI:
         if not OWN:  # a block before the program's own blocks: closed for every row, per channel
-            scores = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED)
+            scores = _scores_per_channel(q_parts, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED)
         else:
             new_key_rows = ((q_start - context + k_pos).to(tl.int64) * new_keys_stride_t
                             + kv_head * new_keys_stride_h)
@@ -295,11 +436,11 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
             if BLOCK_Q > 1 and logical_block < (kv_end - 1) // BLOCK_SIZE:
                 # the program's later rows are in the next block: this one is closed for them (a decode program
                 # has one row, so never: the constexpr test keeps the second score matrix out of its registers)
-                closed = _scores_per_channel(q_lo, q_hi, k_lo, k_hi, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED)
+                closed = _scores_per_channel(q_parts, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED)
                 own = (q_pos // BLOCK_SIZE == logical_block)[:, None]
                 scores = tl.where(own, scores, closed)
     else:
-        scores = _scores_per_token(qr_lo, qr_hi, qr_sum, k_lo, k_hi, cache_f16_ptr, k_params, offset, written,
+        scores = _scores_per_token(qr_parts, qr_sum, k_parts, cache_f16_ptr, k_params, offset, written,
                                    CODE_SCALE, PAIRED)
     visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
     scores = tl.where(visible, scores * qk_scale, float("-inf"))
@@ -308,8 +449,8 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
     p = tl.exp2(scores - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v_lo, v_hi = _load_codes(cache_u8_ptr, page, layout_v_codes, offset, True, BLOCK_SIZE, PTX_UNPACK,
-                             SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
+    v_parts = _load_value_parts(cache_u8_ptr, page, layout_v_codes, in_page, WIDE, TILE, BLOCK_SIZE, PTX_UNPACK,
+                                SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
     sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written, PAIRED)
     p_sv = p * sv[None, :]
     p_mv = p * mv[None, :]
@@ -320,9 +461,7 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_
         # int4_kivi decode (128-token tiles) about 30% slower at batch 256.
         p_sv = tl.where(visible, p_sv, 0.0)
         p_mv = tl.where(visible, p_mv, 0.0)
-    p_scaled = p_sv.to(dt)
-    acc_lo = acc_lo * alpha[:, None] + tl.dot(p_scaled, v_lo)
-    acc_hi = acc_hi * alpha[:, None] + tl.dot(p_scaled, v_hi)
+    acc_lo, acc_hi = _accumulate_values(acc_lo * alpha[:, None], acc_hi * alpha[:, None], p_sv.to(dt), v_parts)
     acc_min = acc_min * alpha + tl.sum(p_mv, 1)
     return m_new, l_i, acc_lo, acc_hi, acc_min
 
@@ -409,7 +548,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
     PAIRED_PARAMS: tl.constexpr, WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, WIDE_CODES: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -450,6 +589,8 @@ def _paged_attention_kernel(
         qr_lo = qr_lo.to(dt)
         qr_hi = qr_hi.to(dt)
         qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
+        q_parts = _query_parts(q_lo, q_hi, WIDE_CODES)
+        qr_parts = _query_parts(qr_lo, qr_hi, WIDE_CODES)
 
         slot = tl.full([], -1, tl.int32)
         pool_page = tl.zeros([], tl.int64)
@@ -482,22 +623,22 @@ def _paged_attention_kernel(
                 own_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
             for tile in range(first_tile, own_tile):
                 m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_sum, q_rows, row_live, q_pos,
                     seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                     False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
+                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES)
             # not pipelined: its original-key tiles are 16-bit, and buffering them in shared memory (num_stages) would
             # take the shared memory that lets a second program share the SM (occupancy) for at most a tile or two
             for tile in tl.range(own_tile, last_tile, num_stages=1):
                 m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_lo, qr_hi, qr_sum, q_rows, row_live, q_pos,
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_sum, q_rows, row_live, q_pos,
                     seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                     True, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
+                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES)
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * CODE_SCALE + acc_min[:, None]
 
@@ -714,6 +855,9 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         raise ValueError(f"LaunchConfig.warp_split is a decode launch for keys per token (int4_saw) with at least 16 "
                          f"tokens per warp, got {scheme.name}, max_query_len {max_query_len}, a {tile}-token tile "
                          f"over {launch.num_warps} warps")
+    if launch.warp_split and launch.wide_code_loads:
+        raise ValueError("LaunchConfig.wide_code_loads is a tile-loop option: the warp-split loop reads codes a byte "
+                         "at a time")
     if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
         if not default_launch:
             raise ValueError(f"LaunchConfig.subnormal_codes is validated on the GPU at head_dim "
@@ -745,7 +889,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
         PAIRED_PARAMS=launch.paired_param_loads, WARP_SPLIT=launch.warp_split, WARPS=launch.num_warps,
-        MIN_SPLIT_TILES=plan.min_split_tiles, DECODE=decode,
+        MIN_SPLIT_TILES=plan.min_split_tiles, DECODE=decode, WIDE_CODES=launch.wide_code_loads,
         **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **compiler_options,
     )

@@ -107,8 +107,15 @@ def test_every_code_path_of_the_kernel_is_benchmarked_for_both_schemes(bk):
         ({"scheme": "int4_kivi"}, None), ({"scheme": "int4_saw"}, None)]
     ours = {m for m in bk.DECODE_METHODS if m.startswith("s4kv_")}
     assert ours == ({f"s4kv_{s}{x}" for s in ("kivi", "saw") for x in bk.CODE_PATH_SUFFIX.values()}
-                    | {"s4kv_saw_rotv", "s4kv_kivi_regs128"})
-    assert bk.DECODE_METHODS["s4kv_kivi_regs128"][1].keywords == {"max_registers": 128}
+                    | {"s4kv_saw_rotv", "s4kv_kivi_regs128", "s4kv_kivi_wide", "s4kv_saw_wide",
+                       "s4kv_kivi_wide_regs128", "s4kv_saw_wide_sub"})
+    # DECODE_LAUNCH with fields replaced: the register cap, the codes read two bytes per element
+    options = {m: bk.DECODE_METHODS[m][1].keywords["launch_options"] for m in ours
+               if "launch_options" in bk.DECODE_METHODS[m][1].keywords}
+    assert options == {"s4kv_kivi_regs128": {"max_registers": 128},
+                       "s4kv_kivi_wide": {"wide_code_loads": True}, "s4kv_saw_wide": {"wide_code_loads": True},
+                       "s4kv_kivi_wide_regs128": {"wide_code_loads": True, "max_registers": 128},
+                       "s4kv_saw_wide_sub": {"wide_code_loads": True, "subnormal_codes": True}}
     assert set(bk.METHODS) == set(bk.DECODE_METHODS) and bk.METHODS[0] == "fa3_bf16"
 
 
@@ -134,7 +141,8 @@ def test_s4kv_methods_compute_attention_on_the_cpu(bk):
             continue
         out = torch.full_like(query, float("nan"))
         call = build(problem, table, out)
-        if method.endswith(("ptx", "_regs128")):  # _regs128: DECODE_LAUNCH, whose unpack is inline PTX
+        # forced code paths with PTX, and DECODE_LAUNCH with fields replaced, whose unpack is inline PTX
+        if method.endswith("ptx") or "launch_options" in build.keywords:
             with pytest.raises(ValueError, match="inline PTX"):
                 call()
             continue

@@ -180,6 +180,34 @@ def test_other_code_paths_match_the_reference(gen, kernel_device, scheme_name, h
                            f"{scheme_name} {code_path} codes head_dim {head_dim}")
 
 
+@pytest.mark.parametrize("code_path", [pytest.param(name, marks=GPU_ONLY if "ptx" in name else [])
+                                       for name in CODE_PATHS])
+@pytest.mark.parametrize("specs", [MIXED, DECODE], ids=["mixed", "decode-split"])
+@pytest.mark.parametrize("scheme_name,head_dim", [("saw128", 128), ("saw64-rotv", 64)])
+def test_wide_code_loads_match_the_reference(gen, kernel_device, scheme_name, head_dim, specs, code_path):
+    """Codes read two bytes per element (LaunchConfig.wide_code_loads: keys as four channel quarters, values as the
+    even and odd tokens of a tile): the same attention as the reference with every code path, prefill and split
+    decode, GQA 7 (int4_kivi's per-channel keys: test_own_block_attention)."""
+    scheme = SCHEMES[scheme_name]
+    num_q_heads, num_kv_heads = heads_for(7)
+    batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
+                             device=kernel_device, num_padding=1, head_dim=head_dim)
+    cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    decode = batch.max_query_len == 1
+    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name] if decode else PREFILL_LAUNCH, **CODE_PATHS[code_path],
+                                 wide_code_loads=True)
+    if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
+        pytest.skip(f"the subnormal path is refused at head_dim {head_dim}")
+    workspace = None
+    if decode:
+        workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
+                                            max_num_seqs=len(DECODE), num_splits=4)
+        workspace.part_acc.fill_(float("nan"))
+    assert_attention_close(run_kernel(batch, cache, scheme, workspace, launch), run_reference(batch, cache, scheme),
+                           f"{scheme_name} wide {code_path} codes head_dim {head_dim}")
+
+
 def test_ptx_unpack_is_refused_by_the_interpreter():
     """Off the GPU the option is an error naming the cause, never a silent fall-back to another path."""
     if torch.cuda.is_available():
@@ -188,6 +216,17 @@ def test_ptx_unpack_is_refused_by_the_interpreter():
     q = torch.zeros(1, 8, 128, dtype=torch.float16)
     launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], ptx_unpack=True)
     with pytest.raises(ValueError, match="inline PTX"):
+        paged_attention(q, torch.zeros(2, 2, 136 * 128, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.int32),
+                        torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.1, scheme,
+                        torch.empty_like(q), launch=launch)
+
+
+def test_wide_code_loads_are_refused_with_the_warp_split_loop():
+    """The warp-split loop reads codes a byte at a time: asking for both is an error, never one of them silently."""
+    scheme = SCHEMES["saw128"]
+    q = torch.zeros(1, 8, 128, dtype=torch.float16)
+    launch = dataclasses.replace(WARP_SPLIT_LAUNCH[scheme.name], ptx_unpack=False, wide_code_loads=True)
+    with pytest.raises(ValueError, match="wide_code_loads is a tile-loop option"):
         paged_attention(q, torch.zeros(2, 2, 136 * 128, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.int32),
                         torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.1, scheme,
                         torch.empty_like(q), launch=launch)

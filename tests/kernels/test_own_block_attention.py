@@ -83,6 +83,26 @@ def test_other_code_paths_follow_the_rule(gen, kernel_device, specs, code_path):
     assert_matches_rule(attend(batch, cache, pool, workspace=workspace, launch=launch), expected, code_path)
 
 
+@pytest.mark.parametrize("code_path", [pytest.param(name, marks=GPU_ONLY if "ptx" in name else [])
+                                       for name in CODE_PATHS])
+@pytest.mark.parametrize("specs,head_dim", [(CHUNKS, 128), (DECODE, 128), (DECODE, 64)],
+                         ids=["chunks", "decode-split", "decode-split-64"])
+def test_wide_code_loads_follow_the_rule(gen, kernel_device, specs, head_dim, code_path):
+    """Codes read two bytes per element (LaunchConfig.wide_code_loads): the per-channel keys in four channel
+    quarters, each with its own channels' params, and the values over even and odd tokens, on closed and own-block
+    tiles."""
+    if CODE_PATHS[code_path]["subnormal_codes"] and head_dim != 128:
+        pytest.skip(f"the subnormal path is refused at head_dim {head_dim}")
+    batch, cache, pool = stored_step(gen, specs, head_dim, kernel_device)
+    decode = batch.max_query_len == 1
+    launch = dataclasses.replace(DECODE_LAUNCH[KIVI.name] if decode else PREFILL_LAUNCH, **CODE_PATHS[code_path],
+                                 wide_code_loads=True)
+    workspace = SplitWorkspace.allocate(4, 2, head_dim, kernel_device, num_splits=8) if decode else None
+    expected = batch_rule_attention(batch, SOFTMAX_SCALE, KIVI)
+    assert_matches_rule(attend(batch, cache, pool, workspace=workspace, launch=launch), expected,
+                        f"wide {code_path} head_dim {head_dim}")
+
+
 @pytest.mark.parametrize("with_workspace", [False, True])
 def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, with_workspace):
     """As vLLM pads a decode batch to a CUDA-graph size: query and key rows past the step (NaN), padded sequences with

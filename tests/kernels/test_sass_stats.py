@@ -22,11 +22,12 @@ def _logic(histogram: dict[str, int]) -> int:
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-side check: no device time for it")
 
 
-def sass_stats(tmp_path_factory, scheme_name: str, *launches: str) -> tuple[str, dict]:
+def sass_stats(tmp_path_factory, scheme_name: str, *launches: str, wide: bool = False) -> tuple[str, dict]:
     """sass_stats' printed table and loop histograms (label -> mnemonic counts) of a scheme's decode with bf16
-    queries, for each code path: at its default launch, or at each of ``launches`` (TILExWARPSxSTAGES)."""
+    queries, for each code path: at its default launch, or at each of ``launches`` (TILExWARPSxSTAGES); ``wide``:
+    with the codes read two bytes per element."""
     tmp = tmp_path_factory.mktemp(f"sass-{scheme_name}")
-    launch_args = ("--launches", ",".join(launches)) if launches else ()
+    launch_args = (("--launches", ",".join(launches)) if launches else ()) + (("--wide",) if wide else ())
     result = run_compile_only_tool("sass_stats", "--schemes", scheme_name, "--dtypes", "bf16", *launch_args,
                                    "--json", str(tmp / "loops.json"), cache_dir=tmp / "triton-cache")
     assert result.returncode == 0, result.stderr[-6000:]
@@ -148,3 +149,25 @@ def test_int4_saw_rotates_q_in_a_short_prologue(kivi_decode, saw_stats):
     saw_prologue = int(saw_cells["instructions before the first tile"])
     assert saw_prologue < 3 * int(kivi_cells["instructions before the first tile"]), (saw_cells, kivi_cells)
     assert saw_prologue < int(saw_cells["total"]), saw_cells
+
+
+def test_wide_code_loads_drop_the_operand_moves_and_the_byte_spreading(saw_stats, tmp_path_factory):
+    """int4_saw's tile loop with its codes read two bytes per element (LaunchConfig.wide_code_loads), with each PTX
+    code path: the same tensor-core work, no PRMT spreading bytes over 16-bit lanes, a fraction of the register moves
+    that fed q and P to the MMA (from 8-bit elements their fragments took four values per thread), a fifth fewer
+    instructions, no more registers."""
+    table, loops = saw_stats
+    wide_table, wide_loops = sass_stats(tmp_path_factory, "int4_saw", wide=True)
+    for path in ("biased+ptx", "subnormal+ptx"):
+        label = f"int4_saw bf16 {path} 128x4x5"
+        narrow, wide = loops[label], wide_loops[f"{label} wide"]
+
+        def count(histogram, prefix):
+            return sum(n for name, n in histogram.items() if name.startswith(prefix))
+
+        assert count(wide, "HMMA") == count(narrow, "HMMA") == 64, (narrow, wide)
+        assert count(wide, "PRMT") == 0 < count(narrow, "PRMT"), (narrow, wide)
+        assert 3 * count(wide, "IMAD.MOV") < count(narrow, "IMAD.MOV"), (narrow, wide)
+        assert sum(wide.values()) < 0.85 * sum(narrow.values()), (path, sum(narrow.values()), sum(wide.values()))
+        narrow_row, wide_row = table_row(table, label), table_row(wide_table, f"{label} wide")
+        assert int(wide_row["registers"]) <= int(narrow_row["registers"]) and wide_row["spill bytes"] == "0"

@@ -20,6 +20,12 @@ batches 1/32/128/256, for:
   s4kv_kivi_regs128   int4_kivi's DECODE_LAUNCH with ptxas capped at 128 registers instead of 168: four programs
              (16 warps) per SM instead of three, no spills on sm_90 (tools/device/sass_stats.py; int4_saw's decode
              fits 128 uncapped)
+  s4kv_kivi_wide, s4kv_saw_wide   DECODE_LAUNCH (the tile loop, at every batch size) with the codes read two bytes
+             per element (LaunchConfig.wide_code_loads): by sass_stats.py on sm_90 about a fifth fewer instructions
+             per code, at the same registers
+  s4kv_kivi_wide_regs128   the same for int4_kivi capped at 128 registers (16 warps per SM, no spills)
+  s4kv_saw_wide_sub   int4_saw's wide loads with the codes as fp16 subnormals (no bias to subtract): the fewest
+             instructions per code of any decode loop on sm_90
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
 
 Every cache is filled through its own store path from the same random K/V, pages are handed out in a
@@ -57,7 +63,9 @@ BYTES_PER_TOKEN_HEAD = {"int4": 136, "fp8": 2 * HEAD_DIM, "bf16": 2 * HEAD_DIM *
 CODE_PATH_SUFFIX = {None: "", "biased": "_biased", "subnormal": "_sub", "biased+ptx": "_ptx",
                     "subnormal+ptx": "_sub_ptx"}
 METHODS = ("fa3_bf16", "fa3_fp8", "vllm_int4") + tuple(f"s4kv_{scheme}{suffix}" for suffix in CODE_PATH_SUFFIX.values()
-                                             for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv", "s4kv_kivi_regs128")
+                                             for scheme in ("kivi", "saw")) + (
+    "s4kv_saw_rotv", "s4kv_kivi_regs128", "s4kv_kivi_wide", "s4kv_saw_wide", "s4kv_kivi_wide_regs128",
+    "s4kv_saw_wide_sub")
 FORMAT_OF = {method: {"fa3_bf16": "bf16", "fa3_fp8": "fp8"}.get(method, "int4") for method in METHODS}
 VLLM_BLOCK_SIZE = 16  # vLLM 0.26.0's default block size for FLASH_ATTN and TRITON_ATTN
 S4KV_BLOCK_SIZE = 128  # our backend forces 128 (a KIVI key group is one page)
@@ -319,10 +327,11 @@ def s4kv_decode_call(scheme, problem: DecodeProblem, cache: torch.Tensor, block_
 
 
 def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, block_table: torch.Tensor,
-               out: torch.Tensor, max_registers: int | None = None):
+               out: torch.Tensor, launch_options: dict | None = None):
     """Our cache filled by our store kernel, read by our paged attention: the scheme's decode launch with one code
     path, or with ``code_path`` None the launch paged_attention picks itself (DECODE_LAUNCH), or DECODE_LAUNCH with
-    ptxas capped at ``max_registers``; the split workspace as our backend allocates it (splits by DECODE_SPLITS)."""
+    ``launch_options`` (LaunchConfig fields) replaced; the split workspace as our backend allocates it (splits by
+    DECODE_SPLITS)."""
     from s4kv.kernels.attention import CODE_PATHS, DECODE_LAUNCH, SplitWorkspace
     from s4kv.kernels.scheme import Int4Scheme
 
@@ -331,8 +340,8 @@ def build_s4kv(options: dict, code_path: str | None, problem: DecodeProblem, blo
     workspace = SplitWorkspace.allocate(problem.num_q_heads, problem.num_kv_heads, HEAD_DIM, problem.device,
                                         scheme.name, max_num_seqs=problem.batch)
     launch = None if code_path is None else dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[code_path])
-    if max_registers is not None:
-        launch = dataclasses.replace(launch or DECODE_LAUNCH[scheme.name], max_registers=max_registers)
+    if launch_options:
+        launch = dataclasses.replace(launch or DECODE_LAUNCH[scheme.name], **launch_options)
     return s4kv_decode_call(scheme, problem, cache, block_table, out, workspace, launch)
 
 
@@ -344,7 +353,13 @@ DECODE_METHODS = {
     **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": f"int4_{scheme}"}, code_path))
        for code_path, suffix in CODE_PATH_SUFFIX.items() for scheme in ("kivi", "saw")},
     "s4kv_saw_rotv": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": "int4_saw", "rotate_values": True}, None)),
-    "s4kv_kivi_regs128": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": "int4_kivi"}, None, max_registers=128)),
+    **{name: (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": scheme}, None, launch_options=options))
+       for name, scheme, options in (
+           ("s4kv_kivi_regs128", "int4_kivi", {"max_registers": 128}),
+           ("s4kv_kivi_wide", "int4_kivi", {"wide_code_loads": True}),
+           ("s4kv_saw_wide", "int4_saw", {"wide_code_loads": True}),
+           ("s4kv_kivi_wide_regs128", "int4_kivi", {"wide_code_loads": True, "max_registers": 128}),
+           ("s4kv_saw_wide_sub", "int4_saw", {"wide_code_loads": True, "subnormal_codes": True}))},
 }
 
 

@@ -9,9 +9,12 @@ launch: 16-byte aligned cache/query pointers and strides, metadata pointers unsp
 prints, per variant, the instructions of its hottest loop by class, per KV tile and per code, its registers, shared
 memory and warps per SM, the asynchronous-copy groups left in flight at the loop's wait (0: no load overlaps the
 program's own compute), the CTA barriers per tile (where a program's warps wait for each other) and the instructions
-before the first tile (the prologue every program runs once).
+before the first tile (the prologue every program runs once). The last column turns the loop's instructions per
+code into a bandwidth: the TB/s of cache bytes at which the loop would take every issue slot it gets, if it gets the
+half of them the profile measured. Above that bandwidth the instruction count, not the memory, is the limit.
 
     python tools/device/sass_stats.py                      # every decode launch of both schemes, bf16 and fp16
+    python tools/device/sass_stats.py --wide               # the same with codes read two bytes per element
     python tools/device/sass_stats.py --json out.json      # also each loop's histogram of instructions (mnemonics)
 
 Counts are static: one pass through the first tile loop (in int4_kivi the tiles before a program's own block, keys
@@ -44,6 +47,13 @@ from s4kv.kernels.scheme import Int4Scheme  # noqa: E402
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 NVDISASM, CUOBJDUMP = NVIDIA_BIN / "nvdisasm", NVIDIA_BIN / "cuobjdump"
 HOPPER_REGS_PER_SM, HOPPER_SHARED_PER_SM, HOPPER_MAX_WARPS_PER_SM = 65536, 228 * 1024, 64
+# H200 SXM: 132 SMs of 4 schedulers, each issuing one warp instruction (32 lanes) a cycle at up to 1.98 GHz
+H200_LANE_ISSUES_PER_S = 132 * 4 * 32 * 1.98e9
+# the bytes decode moves per code: a token's K and V codes and both (scale, min) pairs per KV head, 136 bytes for 256
+# codes at head_dim 128 (layout.py)
+INT4_BYTES_PER_CODE = 136 / 256
+# the share of issue slots the decode loops used in the Nsight Compute profile (docs/results/performance.md)
+PROFILED_ISSUE_SHARE = 0.5
 GROUP, NUM_KV_HEADS, HEAD_DIM = 7, 4, 128  # Qwen2.5-7B: 28 query heads over 4 KV heads of 128 channels
 
 # opcode classes that matter for the unpack-bound loop
@@ -167,6 +177,13 @@ def cta_barriers(loop: list[str]) -> int:
     return sum(1 for text in loop if _opcode(text) == "BAR")
 
 
+def issue_bound_tbps(instructions_per_code: float, issue_share: float = PROFILED_ISSUE_SHARE) -> float:
+    """The decode bandwidth (TB/s of cache bytes) at which a loop of this many instructions per code takes every
+    issue slot it gets, when it gets ``issue_share`` of them: the ceiling its instruction count sets, whatever the
+    memory system could deliver."""
+    return H200_LANE_ISSUES_PER_S * issue_share / instructions_per_code * INT4_BYTES_PER_CODE / 1e12
+
+
 def classify(opcodes: Counter) -> dict[str, int]:
     table = {name: sum(n for op, n in opcodes.items() if op in members) for name, members in CLASSES.items()}
     table["other"] = sum(opcodes.values()) - sum(table.values())
@@ -188,14 +205,21 @@ def parse_launch(text: str) -> attention.LaunchConfig:
 def launch_label(launch: attention.LaunchConfig) -> str:
     """TILExWARPSxSTAGES of a decode launch as the table names it, with " warp split" for that loop."""
     tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
-    return f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
+    return (f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
+            + (" wide" if launch.wide_code_loads else ""))
 
 
-def variants(scheme_names: list[str], dtypes: list[str], launches: list[str]):
+def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], wide: bool = False):
+    """(label, scheme, query dtype, launch) of every variant to compile: each launch (default: the scheme's decode
+    launches) with each code path, with ``wide`` its codes read two bytes per element (the tile loop only)."""
     for name in scheme_names:
         scheme = Int4Scheme(name)
         for base in ([replace(parse_launch(text), **attention.kept_launch_options(name)) for text in launches]
                      or attention.decode_launches(name)):
+            if wide:
+                if base.warp_split:
+                    continue
+                base = replace(base, wide_code_loads=True)
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
                     yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)
@@ -207,12 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bf16,fp16")
     parser.add_argument("--launches", default="",
                         help="comma-separated TILExWARPSxSTAGES to compare (default: each scheme's DECODE_LAUNCH)")
+    parser.add_argument("--wide", action="store_true",
+                        help="read the codes two bytes per element (LaunchConfig.wide_code_loads; tile loop only)")
     parser.add_argument("--json", type=Path, help="also write every variant's loop histogram (mnemonics) here")
     args = parser.parse_args(argv)
 
     rows, histograms = [], {}
     for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(","),
-                                                    [t for t in args.launches.split(",") if t]):
+                                                    [t for t in args.launches.split(",") if t], args.wide):
         print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
         kernel = compile_decode(scheme, q_dtype, launch)
         prologue, loop = hottest_loop(*disassemble(kernel.cubin))
@@ -231,12 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     # across tiles and warp counts
     print("| variant (tile x warps x stages) | " + " | ".join(names) + " | instructions per code "
           "| registers | spill bytes | shared memory bytes | warps per SM | copy groups in flight at the wait "
-          "| CTA barriers per tile | instructions before the first tile |")
-    print("|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|---|")
+          "| CTA barriers per tile | instructions before the first tile "
+          f"| TB/s at which the loop fills {PROFILED_ISSUE_SHARE:.0%} of the issue slots (H200) |")
+    print("|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|---|---|")
     for label, table, codes, usage, shared_bytes, occupancy, in_flight, barriers, prologue in rows:
         print(f"| {label} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} "
               f"| {usage['REG']} | {usage['LOCAL']} | {shared_bytes:,} | {occupancy} "
-              f"| {'no wait' if in_flight is None else in_flight} | {barriers} | {prologue} |")
+              f"| {'no wait' if in_flight is None else in_flight} | {barriers} | {prologue} "
+              f"| {issue_bound_tbps(table['total'] / codes):.2f} |")
     if args.json:
         args.json.write_text(json.dumps(histograms, indent=1))
     return 0
