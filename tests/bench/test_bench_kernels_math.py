@@ -107,15 +107,7 @@ def test_every_code_path_of_the_kernel_is_benchmarked_for_both_schemes(bk):
         ({"scheme": "int4_kivi"}, None), ({"scheme": "int4_saw"}, None)]
     ours = {m for m in bk.DECODE_METHODS if m.startswith("s4kv_")}
     assert ours == ({f"s4kv_{s}{x}" for s in ("kivi", "saw") for x in bk.CODE_PATH_SUFFIX.values()}
-                    | {"s4kv_saw_rotv", "s4kv_kivi_regs128", "s4kv_kivi_wide", "s4kv_saw_wide",
-                       "s4kv_kivi_wide_regs128", "s4kv_saw_wide_sub"})
-    # DECODE_LAUNCH with fields replaced: the register cap, the codes read two bytes per element
-    options = {m: bk.DECODE_METHODS[m][1].keywords["launch_options"] for m in ours
-               if "launch_options" in bk.DECODE_METHODS[m][1].keywords}
-    assert options == {"s4kv_kivi_regs128": {"max_registers": 128},
-                       "s4kv_kivi_wide": {"wide_code_loads": True}, "s4kv_saw_wide": {"wide_code_loads": True},
-                       "s4kv_kivi_wide_regs128": {"wide_code_loads": True, "max_registers": 128},
-                       "s4kv_saw_wide_sub": {"wide_code_loads": True, "subnormal_codes": True}}
+                    | {"s4kv_saw_rotv"})
     assert set(bk.METHODS) == set(bk.DECODE_METHODS) and bk.METHODS[0] == "fa3_bf16"
 
 
@@ -141,11 +133,34 @@ def test_s4kv_methods_compute_attention_on_the_cpu(bk):
             continue
         out = torch.full_like(query, float("nan"))
         call = build(problem, table, out)
-        # forced code paths with PTX, and DECODE_LAUNCH with fields replaced, whose unpack is inline PTX
-        if method.endswith("ptx") or "launch_options" in build.keywords:
+        # forced code paths with PTX, and DECODE_LAUNCH with fields replaced (--launch), whose unpack is inline PTX
+        if method.endswith("ptx") or build.keywords.get("launch_options"):
             with pytest.raises(ValueError, match="inline PTX"):
                 call()
             continue
         call()
         err = float((out.double() - expected).norm() / expected.norm())
         assert err < 0.25, f"{method}: relative error {err:.3f} against unquantized attention"
+
+
+def test_launch_methods_replace_fields_of_the_decode_launch(bk, monkeypatch):
+    """--launch NAME=SCHEME:FIELD=VALUE,...: a method timing SCHEME's DECODE_LAUNCH with those LaunchConfig fields
+    replaced, run beside the fixed methods; a bad spec is an error that names what is wrong."""
+    monkeypatch.setattr(bk, "DECODE_METHODS", dict(bk.DECODE_METHODS))
+    monkeypatch.setattr(bk, "FORMAT_OF", dict(bk.FORMAT_OF))
+    spec = "s4kv_saw_w96=int4_saw:wide_code_loads=true,subnormal_codes=false,max_registers=96"
+    assert bk.parse_launch_method(spec) == (
+        "s4kv_saw_w96", "int4_saw", {"wide_code_loads": True, "subnormal_codes": False, "max_registers": 96})
+    assert bk.add_launch_method(spec) == "s4kv_saw_w96"
+    block_size, build = bk.DECODE_METHODS["s4kv_saw_w96"]
+    assert block_size == bk.S4KV_BLOCK_SIZE and bk.FORMAT_OF["s4kv_saw_w96"] == "int4"
+    assert build.args == ({"scheme": "int4_saw"}, None)
+    assert build.keywords == {"launch_options": {"wide_code_loads": True, "subnormal_codes": False,
+                                                 "max_registers": 96}}
+    for bad, message in (("saw_w96=int4_saw:max_registers=96", "expected s4kv_NAME"),
+                         ("s4kv_saw=int4_saw:max_registers=96", "already a method"),
+                         ("s4kv_x=int4_fp8:max_registers=96", "not one of"),
+                         ("s4kv_x=int4_saw:registers=96", "LaunchConfig field"),
+                         ("s4kv_x=int4_saw:max_registers=many", "neither true, false nor an integer")):
+        with pytest.raises(ValueError, match=message):
+            bk.parse_launch_method(bad)

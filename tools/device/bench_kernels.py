@@ -17,15 +17,9 @@ batches 1/32/128/256, for:
              inline PTX)
   s4kv_saw_rotv   int4_saw with its rotate_values option (values rotated like keys, as vLLM's int4 does), at the
              committed decode launch
-  s4kv_kivi_regs128   int4_kivi's DECODE_LAUNCH with ptxas capped at 128 registers instead of 168: four programs
-             (16 warps) per SM instead of three, no spills on sm_90 (tools/device/sass_stats.py; int4_saw's decode
-             fits 128 uncapped)
-  s4kv_kivi_wide, s4kv_saw_wide   DECODE_LAUNCH (the tile loop, at every batch size) with the codes read two bytes
-             per element (LaunchConfig.wide_code_loads): by sass_stats.py on sm_90 about a fifth fewer instructions
-             per code, at the same registers
-  s4kv_kivi_wide_regs128   the same for int4_kivi capped at 128 registers (16 warps per SM, no spills)
-  s4kv_saw_wide_sub   int4_saw's wide loads with the codes as fp16 subnormals (no bias to subtract): the fewest
-             instructions per code of any decode loop on sm_90
+  --launch NAME=SCHEME:FIELD=VALUE,...   more methods: SCHEME's DECODE_LAUNCH (the tile loop, at every batch
+             size) with LaunchConfig fields replaced, e.g. a register cap, the codes read two bytes per element:
+             --launch s4kv_kivi_w128=int4_kivi:wide_code_loads=true,max_registers=128
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
 
 Every cache is filled through its own store path from the same random K/V, pages are handed out in a
@@ -63,9 +57,7 @@ BYTES_PER_TOKEN_HEAD = {"int4": 136, "fp8": 2 * HEAD_DIM, "bf16": 2 * HEAD_DIM *
 CODE_PATH_SUFFIX = {None: "", "biased": "_biased", "subnormal": "_sub", "biased+ptx": "_ptx",
                     "subnormal+ptx": "_sub_ptx"}
 METHODS = ("fa3_bf16", "fa3_fp8", "vllm_int4") + tuple(f"s4kv_{scheme}{suffix}" for suffix in CODE_PATH_SUFFIX.values()
-                                             for scheme in ("kivi", "saw")) + (
-    "s4kv_saw_rotv", "s4kv_kivi_regs128", "s4kv_kivi_wide", "s4kv_saw_wide", "s4kv_kivi_wide_regs128",
-    "s4kv_saw_wide_sub")
+                                             for scheme in ("kivi", "saw")) + ("s4kv_saw_rotv",)
 FORMAT_OF = {method: {"fa3_bf16": "bf16", "fa3_fp8": "fp8"}.get(method, "int4") for method in METHODS}
 VLLM_BLOCK_SIZE = 16  # vLLM 0.26.0's default block size for FLASH_ATTN and TRITON_ATTN
 S4KV_BLOCK_SIZE = 128  # our backend forces 128 (a KIVI key group is one page)
@@ -123,7 +115,7 @@ def render_decode_table(timings: list[Timing], copy_gbps: float | None) -> str:
     """Markdown: one row per (shape, batch, context), one column per method: time, GB/s, speed vs FA3."""
     by_key = {(t.shape, t.batch, t.context, t.method): t for t in timings}
     keys = sorted({(list(SHAPES).index(t.shape), t.shape, t.batch, t.context) for t in timings})
-    methods = [m for m in METHODS if any(t.method == m for t in timings)]
+    methods = [m for m in DECODE_METHODS if any(t.method == m for t in timings)]
     lines = ["| shape (GQA) | batch | context | " + " | ".join(methods) + " |",
              "|---|---|---|" + "---|" * len(methods)]
     for _, shape, batch, context in keys:
@@ -353,14 +345,44 @@ DECODE_METHODS = {
     **{f"s4kv_{scheme}{suffix}": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": f"int4_{scheme}"}, code_path))
        for code_path, suffix in CODE_PATH_SUFFIX.items() for scheme in ("kivi", "saw")},
     "s4kv_saw_rotv": (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": "int4_saw", "rotate_values": True}, None)),
-    **{name: (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": scheme}, None, launch_options=options))
-       for name, scheme, options in (
-           ("s4kv_kivi_regs128", "int4_kivi", {"max_registers": 128}),
-           ("s4kv_kivi_wide", "int4_kivi", {"wide_code_loads": True}),
-           ("s4kv_saw_wide", "int4_saw", {"wide_code_loads": True}),
-           ("s4kv_kivi_wide_regs128", "int4_kivi", {"wide_code_loads": True, "max_registers": 128}),
-           ("s4kv_saw_wide_sub", "int4_saw", {"wide_code_loads": True, "subnormal_codes": True}))},
 }
+
+
+def parse_launch_method(spec: str) -> tuple[str, str, dict]:
+    """``NAME=SCHEME:FIELD=VALUE,...`` -> (NAME, SCHEME, {field: value}): a decode method that times SCHEME's
+    DECODE_LAUNCH with those LaunchConfig fields replaced. VALUE is true, false or an integer."""
+    from s4kv.kernels.attention import DECODE_LAUNCH, LaunchConfig
+
+    name, sep, rest = spec.partition("=")
+    scheme, sep2, fields = rest.partition(":")
+    if not (sep and sep2 and name.startswith("s4kv_") and fields):
+        raise ValueError(f"--launch {spec!r}: expected s4kv_NAME=SCHEME:FIELD=VALUE[,FIELD=VALUE...]")
+    if name in DECODE_METHODS:
+        raise ValueError(f"--launch {spec!r}: {name} is already a method")
+    if scheme not in DECODE_LAUNCH:
+        raise ValueError(f"--launch {spec!r}: scheme {scheme!r} is not one of {', '.join(DECODE_LAUNCH)}")
+    known = {field.name for field in dataclasses.fields(LaunchConfig)}
+    options = {}
+    for item in fields.split(","):
+        field, sep3, value = item.partition("=")
+        if not sep3 or field not in known:
+            raise ValueError(f"--launch {spec!r}: {item!r} is not FIELD=VALUE with a LaunchConfig field "
+                             f"({', '.join(sorted(known))})")
+        if value in ("true", "false"):
+            options[field] = value == "true"
+        elif value.isdigit():
+            options[field] = int(value)
+        else:
+            raise ValueError(f"--launch {spec!r}: {field}={value!r} is neither true, false nor an integer")
+    return name, scheme, options
+
+
+def add_launch_method(spec: str) -> str:
+    """Registers the method of a --launch spec (parse_launch_method) beside the fixed ones; returns its name."""
+    name, scheme, options = parse_launch_method(spec)
+    DECODE_METHODS[name] = (S4KV_BLOCK_SIZE, partial(build_s4kv, {"scheme": scheme}, None, launch_options=options))
+    FORMAT_OF[name] = "int4"
+    return name
 
 
 def bench_decode(batch: int, context: int, generator: torch.Generator, kv_pool: torch.Tensor,
@@ -453,6 +475,9 @@ def main() -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     parser.add_argument("--methods", default="all",
                         help=f"comma list of decode methods or 'all' ({', '.join(METHODS)})")
+    parser.add_argument("--launch", action="append", default=[], metavar="NAME=SCHEME:FIELD=VALUE,...",
+                        help="one more method: SCHEME's DECODE_LAUNCH with LaunchConfig fields replaced, e.g. "
+                             "s4kv_saw_w96=int4_saw:wide_code_loads=true,max_registers=96 (repeatable; always run)")
     parser.add_argument("--no-store", action="store_true", help="skip the store-kernel timings")
     parser.add_argument("--budget-s", type=float, default=300,
                         help="skip the remaining decode configs once this much time has passed")
@@ -461,7 +486,12 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     methods = list(METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [name for name in shapes if name not in SHAPES] + [name for name in methods if name not in METHODS]
+    try:
+        methods += [add_launch_method(spec) for spec in args.launch]
+    except ValueError as exc:
+        raise SystemExit(f"bench_kernels.py: {exc}") from None
+    unknown = [name for name in shapes if name not in SHAPES] + [name for name in methods
+                                                                 if name not in DECODE_METHODS]
     if unknown or not shapes or not methods:
         raise SystemExit(f"bench_kernels.py: unknown shapes or methods {unknown}: shapes {', '.join(SHAPES)}; "
                          f"methods {', '.join(METHODS)}")
