@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The read rule on the lent H200 in one call (under 8 minutes): its GPU tests, then decode attention timed against
-# FA3 bf16 in the same run (the rule must cost no decode speed), then the FlashAttention prefill (both schemes'
-# gather + FA pass against FA3 bf16) at 8k and 32k. Each part is bounded and prints its bound.
+# The read rule on the lent H200 in one call (under 8 minutes): its GPU tests (with the rotation's and the wide code
+# loads'), then decode attention timed against FA3 bf16 in the same run (the rule must cost no decode speed; LAUNCHES
+# adds DECODE_LAUNCH variants), then the FlashAttention prefill (both schemes' gather + FA pass against FA3 bf16) at
+# 8k and 32k. Each part is bounded and prints its bound.
 # device run, carry [".vlb"], timeout_s 600:  bash tools/device/ownread_gpu.sh
 # Back in $OUT: ownread_tests.log, kernels.{json,md}, kernels.log, bench_prefill_chunked.json, prefill.log.
 set -uo pipefail
@@ -13,7 +14,9 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 TEST_S=${TEST_S:-140}
 echo "== GPU tests of the read rule, bounded to ${TEST_S}s, at ${SECONDS}s"
 timeout "$TEST_S" python3 -m pytest tests/kernels/test_own_block_gpu.py tests/kernels/test_own_block_attention.py \
-  tests/kernels/test_own_block_prefill.py -rA -q -p no:cacheprovider --durations=8 > "$OUT/ownread_tests.log" 2>&1
+  tests/kernels/test_own_block_prefill.py tests/kernels/test_rotation_kernel.py \
+  "tests/kernels/test_attention_kernel.py::test_wide_code_loads_match_the_reference" \
+  -rA -q -p no:cacheprovider --durations=8 > "$OUT/ownread_tests.log" 2>&1
 echo "tests exit $? (124 = hit the bound)"
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ownread_tests.log" | tail -40
 
