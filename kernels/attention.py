@@ -66,7 +66,8 @@ class LaunchConfig:
     # out four 16-bit values per thread (kWidth 4), which the hardware fragments do not match: q is reloaded from
     # shared memory each tile and moved into place, P takes 64-bit shared loads and moves, and each byte's nibbles
     # are spread into 16-bit lanes with PRMT. From 16-bit elements (kWidth 2) q and P load with ldmatrix and a pair's
-    # nibbles come out with a shift and a mask (tools/device/sass_stats.py counts both loops)
+    # nibbles come out with a mask and at most a shift (_ptx_unpack_quarters_source; tools/device/sass_stats.py
+    # counts both loops)
     wide_code_loads: bool = False
 
 
@@ -177,29 +178,35 @@ def _ptx_unpack_source(bias_bits: int | None = None, subtract: str | None = None
 
 # Inline PTX for _unpack_quarters: two int16 elements in $4 (element k in lane k, each two code bytes) become nibble n
 # of both in $n, n = 0..3, element k in lane k. The nibbles of a pair sit where the 16-bit lanes want them, so no
-# byte spreading: a shift, a mask with the bias ORed in (one lop3) and the packed subtract per two codes.
-def _ptx_unpack_quarters_source(bias_bits: int | None = None, subtract: str | None = None) -> str:
-    """The asm of one code format, as _ptx_unpack_source's."""
+# byte spreading: a mask with the bias ORed in (one lop3) and the packed subtract per two codes, and a shift per
+# nibble that must move. fp16 has 10 mantissa bits, so a byte's high nibble can stay where it is (bits 4-7, 16 x
+# the code, exact; the caller divides by 16) and one shift by 8 serves the second byte; bf16's 7 bits cannot hold it.
+def _ptx_unpack_quarters_source(bias_bits: int | None = None, subtract: str | None = None,
+                                high_in_place: bool = False) -> str:
+    """The asm of one code format, as _ptx_unpack_source's; ``high_in_place``: nibbles 1 and 3 as 16 x the code."""
     lines = [".reg .b32 shifted, t, bias;"]
     if bias_bits is not None:
         lines.append(f"mov.b32 bias, 0x{bias_bits:04X}{bias_bits:04X};")
     for nibble in range(4):
-        src = "$4" if nibble == 0 else "shifted"
-        if nibble:
-            lines.append(f"shr.b32 shifted, $4, {4 * nibble};")
+        shift = 8 * (nibble // 2) if high_in_place else 4 * nibble
+        mask = "0x00F000F0" if high_in_place and nibble % 2 else "0x000F000F"
+        src = "$4" if shift == 0 else "shifted"
+        if shift and not (high_in_place and nibble == 3):  # in place, nibble 3 reuses nibble 2's shift
+            lines.append(f"shr.b32 shifted, $4, {shift};")
         if bias_bits is None:
-            lines.append(f"and.b32 ${nibble}, {src}, 0x000F000F;")
+            lines.append(f"and.b32 ${nibble}, {src}, {mask};")
         else:
-            lines += [f"lop3.b32 t, {src}, 0x000F000F, bias, 0xEA;", f"{subtract} ${nibble}, t, bias;"]
+            lines += [f"lop3.b32 t, {src}, {mask}, bias, 0xEA;", f"{subtract} ${nibble}, t, bias;"]
     return "{\n    " + "\n    ".join(lines) + "\n}"
 
 
 _PTX_SUBNORMAL = tl.constexpr(_ptx_unpack_source())
 _PTX_BIASED_BF16 = tl.constexpr(_ptx_unpack_source(BF16_CODE_BIAS[0], "sub.rn.bf16x2"))
 _PTX_BIASED_FP16 = tl.constexpr(_ptx_unpack_source(FP16_CODE_BIAS[0], "sub.rn.f16x2"))
-_PTX_QUARTERS_SUBNORMAL = tl.constexpr(_ptx_unpack_quarters_source())
+_PTX_QUARTERS_SUBNORMAL = tl.constexpr(_ptx_unpack_quarters_source(high_in_place=True))
 _PTX_QUARTERS_BIASED_BF16 = tl.constexpr(_ptx_unpack_quarters_source(BF16_CODE_BIAS[0], "sub.rn.bf16x2"))
-_PTX_QUARTERS_BIASED_FP16 = tl.constexpr(_ptx_unpack_quarters_source(FP16_CODE_BIAS[0], "sub.rn.f16x2"))
+_PTX_QUARTERS_BIASED_FP16 = tl.constexpr(_ptx_unpack_quarters_source(FP16_CODE_BIAS[0], "sub.rn.f16x2",
+                                                                     high_in_place=True))
 
 
 @triton.jit
@@ -221,7 +228,7 @@ def _unpack_ptx(packed, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr):
 def _unpack_quarters(packed, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr,
                      CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr):
     """Nibbles 0-3 of int16 ``packed`` (the low and high nibble of its first byte, then of its second), exact, as
-    _codes_as_float makes them."""
+    _codes_as_float makes them; in the fp16 formats nibbles 1 and 3 as 16 x the code (_high_part_scale)."""
     if PTX_UNPACK:
         if SUBNORMAL:
             parts = tl.inline_asm_elementwise(_PTX_QUARTERS_SUBNORMAL, "=r,=r,=r,=r,r", [packed],
@@ -232,12 +239,18 @@ def _unpack_quarters(packed, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, 
         else:
             parts = tl.inline_asm_elementwise(_PTX_QUARTERS_BIASED_FP16, "=r,=r,=r,=r,r", [packed],
                                               dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+    elif SUBNORMAL or not IS_BF16:  # the high nibbles in place, as the PTX leaves them
+        parts = (_codes_as_float(packed & 0x0F, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
+                 _codes_as_float(packed & 0xF0, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
+                 _codes_as_float((packed >> 8) & 0x0F, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
+                 _codes_as_float((packed >> 8) & 0xF0, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS))
     else:
         parts = (_codes_as_float(packed & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
                  _codes_as_float((packed >> 4) & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
                  _codes_as_float((packed >> 8) & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
                  _codes_as_float((packed >> 12) & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS))
     return parts
+
 
 
 @triton.jit
@@ -351,23 +364,25 @@ def _scores_per_token(q_parts, q_sum, k_parts, cache_f16_ptr, k_params, offset, 
 
 
 @triton.jit
-def _channel_part_scores(q, k, channels, cache_f16_ptr, k_params, PAIRED: tl.constexpr):
-    """(Q * scale) . codes and Q . min over one part's channels of a block closed per channel."""
+def _channel_part_scores(q, k, channels, cache_f16_ptr, k_params, PAIRED: tl.constexpr, PART_SCALE: tl.constexpr):
+    """(Q * scale) . codes and Q . min over one part's channels of a block closed per channel, its codes 1 /
+    PART_SCALE times what _codes_as_float gives (a power of two, taken off with the scale: the same rounding)."""
     scale, minimum = load_channel_params(cache_f16_ptr, k_params, channels, PAIRED)
     q32 = q.to(tl.float32)
-    return tl.dot((q32 * scale).to(q.dtype), tl.trans(k)), tl.sum(q32 * minimum, 1)
+    return tl.dot((q32 * (scale * PART_SCALE)).to(q.dtype), tl.trans(k)), tl.sum(q32 * minimum, 1)
 
 
 @triton.jit
 def _scores_per_channel(q_parts, k_parts, cache_f16_ptr, k_params, CODE_SCALE: tl.constexpr, HALF: tl.constexpr,
-                        PAIRED: tl.constexpr):
+                        PAIRED: tl.constexpr, HIGH_PART_SCALE: tl.constexpr):
     """Q K^T for a KIVI block closed per channel (unrotated keys, per-channel params): (Q * scale) . codes + Q . min,
-    summed over the parts Q and the codes are split in (_channel_parts)."""
+    summed over the parts Q and the codes are split in (_channel_parts); the odd parts of four are the high nibbles
+    (_high_part_scale, 1 without wide code loads)."""
     channels = _channel_parts(HALF, len(k_parts) == 4)
-    raw, bias = _channel_part_scores(q_parts[0], k_parts[0], channels[0], cache_f16_ptr, k_params, PAIRED)
-    for part in tl.static_range(1, len(k_parts)):
+    raw, bias = _channel_part_scores(q_parts[0], k_parts[0], channels[0], cache_f16_ptr, k_params, PAIRED, 1.0)
+    for part in tl.static_range(1, len(k_parts)):  # the odd parts hold high nibbles (HIGH_PART_SCALE 1 for halves)
         part_raw, part_bias = _channel_part_scores(q_parts[part], k_parts[part], channels[part], cache_f16_ptr,
-                                                   k_params, PAIRED)
+                                                   k_params, PAIRED, HIGH_PART_SCALE if part % 2 == 1 else 1.0)
         raw += part_raw
         bias += part_bias
     return raw * CODE_SCALE + bias[:, None]
@@ -403,7 +418,8 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_
                  OWN: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
                  IS_KIVI: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
                  CODE_SCALE: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
-                 CODE_BIAS: tl.constexpr, HALF: tl.constexpr, PAIRED: tl.constexpr, WIDE: tl.constexpr):
+                 CODE_BIAS: tl.constexpr, HALF: tl.constexpr, PAIRED: tl.constexpr, WIDE: tl.constexpr,
+                 HIGH_PART_SCALE: tl.constexpr):
     """One K/V tile into the online softmax (m_i, l_i) and the accumulators; OWN: the tile may hold keys of a
     query's own block (int4_kivi reads them from the original keys). q_parts (int4_kivi) and qr_parts (int4_saw,
     rotated) are the query rows split as the codes are read (_channel_parts; WIDE: LaunchConfig.wide_code_loads)."""
@@ -426,7 +442,8 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_
                               CODE_BIAS_BITS, CODE_BIAS, HALF)
     if IS_KIVI:
         if not OWN:  # a block before the program's own blocks: closed for every row, per channel
-            scores = _scores_per_channel(q_parts, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED)
+            scores = _scores_per_channel(q_parts, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED,
+                                         HIGH_PART_SCALE)
         else:
             new_key_rows = ((q_start - context + k_pos).to(tl.int64) * new_keys_stride_t
                             + kv_head * new_keys_stride_h)
@@ -436,7 +453,8 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_
             if BLOCK_Q > 1 and logical_block < (kv_end - 1) // BLOCK_SIZE:
                 # the program's later rows are in the next block: this one is closed for them (a decode program
                 # has one row, so never: the constexpr test keeps the second score matrix out of its registers)
-                closed = _scores_per_channel(q_parts, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED)
+                closed = _scores_per_channel(q_parts, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED,
+                                         HIGH_PART_SCALE)
                 own = (q_pos // BLOCK_SIZE == logical_block)[:, None]
                 scores = tl.where(own, scores, closed)
     else:
@@ -548,7 +566,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
     PAIRED_PARAMS: tl.constexpr, WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
-    DECODE: tl.constexpr, WIDE_CODES: tl.constexpr,
+    DECODE: tl.constexpr, WIDE_CODES: tl.constexpr, HIGH_PART_SCALE: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -585,12 +603,13 @@ def _paged_attention_kernel(
             q_lo = q_lo.to(tl.float16)
             q_hi = q_hi.to(tl.float16)
         dt = q_lo.dtype
-        qr_lo, qr_hi = rotate_halves(q_lo, q_hi, HADAMARD_BLOCK, HALF)
-        qr_lo = qr_lo.to(dt)
-        qr_hi = qr_hi.to(dt)
+        qr_lo32, qr_hi32 = rotate_halves(q_lo, q_hi, HADAMARD_BLOCK, HALF)
+        qr_lo = qr_lo32.to(dt)
+        qr_hi = qr_hi32.to(dt)
         qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
         q_parts = _query_parts(q_lo, q_hi, WIDE_CODES)
-        qr_parts = _query_parts(qr_lo, qr_hi, WIDE_CODES)
+        # the channels whose codes come 16 x too large: q takes the 1/16 (a power of two: the same rounding)
+        qr_parts = _query_parts(qr_lo, (qr_hi32 * HIGH_PART_SCALE).to(dt), WIDE_CODES)
 
         slot = tl.full([], -1, tl.int32)
         pool_page = tl.zeros([], tl.int64)
@@ -628,7 +647,7 @@ def _paged_attention_kernel(
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                     False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES)
+                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE)
             # not pipelined: its original-key tiles are 16-bit, and buffering them in shared memory (num_stages) would
             # take the shared memory that lets a second program share the SM (occupancy) for at most a tile or two
             for tile in tl.range(own_tile, last_tile, num_stages=1):
@@ -638,9 +657,9 @@ def _paged_attention_kernel(
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                     True, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES)
+                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE)
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
-        acc_hi = acc_hi * CODE_SCALE + acc_min[:, None]
+        acc_hi = acc_hi * (CODE_SCALE * HIGH_PART_SCALE) + acc_min[:, None]
 
         # normalized output of this program (0 where it saw no key)
         inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None]
@@ -793,6 +812,14 @@ class SplitWorkspace:
         return self.plans[num_seqs]
 
 
+def _high_part_scale(launch: LaunchConfig, dtype: torch.dtype) -> float:
+    """What the high-nibble parts of wide code loads come multiplied by, inverted: key quarters 1 and 3 (channels
+    HALF + 2i, HALF + 2i + 1) and the values' channels HALF + j. The fp16 formats (subnormal codes, or biased with
+    fp16 queries) keep a byte's high nibble in place, 16 x the code (_unpack_quarters): 1/16; else 1."""
+    in_place = launch.wide_code_loads and (launch.subnormal_codes or dtype == torch.float16)
+    return 0.0625 if in_place else 1.0
+
+
 def _code_format(dtype: torch.dtype, subnormal: bool) -> dict:
     """How _codes_as_float builds MMA operands from codes. Biased: exponent bits of 128.0 (bf16) or 1024.0 (fp16),
     the 16-bit float whose mantissa ulp is exactly 1. Subnormal: fp16 code * 2^-24, scaled back by 2^24 in fp32."""
@@ -890,6 +917,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
         PAIRED_PARAMS=launch.paired_param_loads, WARP_SPLIT=launch.warp_split, WARPS=launch.num_warps,
         MIN_SPLIT_TILES=plan.min_split_tiles, DECODE=decode, WIDE_CODES=launch.wide_code_loads,
+        HIGH_PART_SCALE=_high_part_scale(launch, query.dtype),
         **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **compiler_options,
     )
