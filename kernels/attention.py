@@ -254,22 +254,10 @@ def _unpack_quarters(packed, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, 
 
 
 @triton.jit
-def _channel_parts(HALF: tl.constexpr, WIDE: tl.constexpr):
-    """The channels of each part keys and queries are split in: halves (j, HALF + j), or, read two bytes at a time
-    (LaunchConfig.wide_code_loads), quarters (2i, HALF + 2i, 2i + 1, HALF + 2i + 1): byte j of a token holds
-    channels j and HALF + j (layout.py)."""
-    if WIDE:
-        i = tl.arange(0, HALF // 2)
-        parts = (2 * i, HALF + 2 * i, 2 * i + 1, HALF + 2 * i + 1)
-    else:
-        j = tl.arange(0, HALF)
-        parts = (j, HALF + j)
-    return parts
-
-
-@triton.jit
 def _query_parts(x_lo, x_hi, WIDE: tl.constexpr):
-    """Query rows given as their two halves, split like _channel_parts."""
+    """Query rows given as their two halves (channels j and HALF + j), split as the codes are read: halves, or,
+    read two bytes at a time (LaunchConfig.wide_code_loads), quarters 2i, HALF + 2i, 2i + 1, HALF + 2i + 1 (byte j
+    of a token holds channels j and HALF + j, layout.py)."""
     if WIDE:
         a, c = tl.split(tl.reshape(x_lo, [x_lo.shape[0], x_lo.shape[1] // 2, 2]))
         b, d = tl.split(tl.reshape(x_hi, [x_hi.shape[0], x_hi.shape[1] // 2, 2]))
@@ -283,7 +271,7 @@ def _query_parts(x_lo, x_hi, WIDE: tl.constexpr):
 def _load_key_parts(cache_u8_ptr, page, offset, WIDE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr,
                     CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr):
-    """A tile's key codes as [TILE, channels] parts over _channel_parts' channels, exact (_load_codes)."""
+    """A tile's key codes as [TILE, channels] parts over _query_parts' channels, exact (_load_codes)."""
     if WIDE:  # token t's int16 word i holds bytes 2i and 2i + 1
         i = tl.arange(0, HALF // 2)
         words = cache_u8_ptr.to(tl.pointer_type(tl.int16)) + page // 2
@@ -355,7 +343,7 @@ def _load_codes(cache_u8_ptr, page, region, offset, CHANNEL_MAJOR: tl.constexpr,
 def _scores_per_token(q_parts, q_sum, k_parts, cache_f16_ptr, k_params, offset, written,
                       CODE_SCALE: tl.constexpr, PAIRED: tl.constexpr):
     """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys; Q and
-    the codes split alike (_channel_parts)."""
+    the codes split alike (_query_parts)."""
     s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written, PAIRED)
     raw = tl.dot(q_parts[0], tl.trans(k_parts[0]))
     for part in tl.static_range(1, len(k_parts)):
@@ -364,27 +352,22 @@ def _scores_per_token(q_parts, q_sum, k_parts, cache_f16_ptr, k_params, offset, 
 
 
 @triton.jit
-def _channel_part_scores(q, k, channels, cache_f16_ptr, k_params, PAIRED: tl.constexpr, PART_SCALE: tl.constexpr):
-    """(Q * scale) . codes and Q . min over one part's channels of a block closed per channel, its codes 1 /
-    PART_SCALE times what _codes_as_float gives (a power of two, taken off with the scale: the same rounding)."""
-    scale, minimum = load_channel_params(cache_f16_ptr, k_params, channels, PAIRED)
-    q32 = q.to(tl.float32)
-    return tl.dot((q32 * (scale * PART_SCALE)).to(q.dtype), tl.trans(k)), tl.sum(q32 * minimum, 1)
-
-
-@triton.jit
-def _scores_per_channel(q_parts, k_parts, cache_f16_ptr, k_params, CODE_SCALE: tl.constexpr, HALF: tl.constexpr,
+def _scores_per_channel(q_lo, q_hi, k_parts, cache_f16_ptr, k_params, CODE_SCALE: tl.constexpr, HALF: tl.constexpr,
                         PAIRED: tl.constexpr, HIGH_PART_SCALE: tl.constexpr):
-    """Q K^T for a KIVI block closed per channel (unrotated keys, per-channel params): (Q * scale) . codes + Q . min,
-    summed over the parts Q and the codes are split in (_channel_parts); the odd parts of four are the high nibbles
-    (_high_part_scale, 1 without wide code loads)."""
-    channels = _channel_parts(HALF, len(k_parts) == 4)
-    raw, bias = _channel_part_scores(q_parts[0], k_parts[0], channels[0], cache_f16_ptr, k_params, PAIRED, 1.0)
-    for part in tl.static_range(1, len(k_parts)):  # the odd parts hold high nibbles (HIGH_PART_SCALE 1 for halves)
-        part_raw, part_bias = _channel_part_scores(q_parts[part], k_parts[part], channels[part], cache_f16_ptr,
-                                                   k_params, PAIRED, HIGH_PART_SCALE if part % 2 == 1 else 1.0)
-        raw += part_raw
-        bias += part_bias
+    """Q K^T for a KIVI block closed per channel (unrotated keys, per-channel params): (Q * scale) . codes + Q . min.
+    Q * scale is split like the codes (_query_parts: halves, or with four parts quarters whose odd ones hold high
+    nibbles, _high_part_scale)."""
+    channels = tl.arange(0, HALF)
+    s_lo, m_lo = load_channel_params(cache_f16_ptr, k_params, channels, PAIRED)
+    s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF + channels, PAIRED)
+    dt = q_lo.dtype
+    q32_lo = q_lo.to(tl.float32)
+    q32_hi = q_hi.to(tl.float32)
+    bias = tl.sum(q32_lo * m_lo, 1) + tl.sum(q32_hi * m_hi, 1)
+    qs_parts = _query_parts((q32_lo * s_lo).to(dt), (q32_hi * (s_hi * HIGH_PART_SCALE)).to(dt), len(k_parts) == 4)
+    raw = tl.dot(qs_parts[0], tl.trans(k_parts[0]))
+    for part in tl.static_range(1, len(k_parts)):
+        raw = tl.dot(qs_parts[part], tl.trans(k_parts[part]), raw)
     return raw * CODE_SCALE + bias[:, None]
 
 
@@ -411,7 +394,7 @@ def _scores_from_originals(q_rows, row_live, new_keys_ptr, new_key_rows, staged_
 
 
 @triton.jit
-def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_sum, q_rows, row_live, q_pos,
+def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum, q_rows, row_live, q_pos,
                  seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                  block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                  new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
@@ -421,9 +404,10 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_
                  CODE_BIAS: tl.constexpr, HALF: tl.constexpr, PAIRED: tl.constexpr, WIDE: tl.constexpr,
                  HIGH_PART_SCALE: tl.constexpr):
     """One K/V tile into the online softmax (m_i, l_i) and the accumulators; OWN: the tile may hold keys of a
-    query's own block (int4_kivi reads them from the original keys). q_parts (int4_kivi) and qr_parts (int4_saw,
-    rotated) are the query rows split as the codes are read (_channel_parts; WIDE: LaunchConfig.wide_code_loads)."""
-    dt = q_parts[0].dtype
+    query's own block (int4_kivi reads them from the original keys). q_lo, q_hi: the query rows' halves (int4_kivi
+    scales them per channel each block); qr_parts: int4_saw's rotated rows split as the codes are read (_query_parts;
+    WIDE: LaunchConfig.wide_code_loads)."""
+    dt = q_lo.dtype
     layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
     layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
     layout_k_params: tl.constexpr = (2 * HALF + 4) * BLOCK_SIZE
@@ -442,7 +426,7 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_
                               CODE_BIAS_BITS, CODE_BIAS, HALF)
     if IS_KIVI:
         if not OWN:  # a block before the program's own blocks: closed for every row, per channel
-            scores = _scores_per_channel(q_parts, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED,
+            scores = _scores_per_channel(q_lo, q_hi, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED,
                                          HIGH_PART_SCALE)
         else:
             new_key_rows = ((q_start - context + k_pos).to(tl.int64) * new_keys_stride_t
@@ -453,7 +437,7 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_
             if BLOCK_Q > 1 and logical_block < (kv_end - 1) // BLOCK_SIZE:
                 # the program's later rows are in the next block: this one is closed for them (a decode program
                 # has one row, so never: the constexpr test keeps the second score matrix out of its registers)
-                closed = _scores_per_channel(q_parts, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED,
+                closed = _scores_per_channel(q_lo, q_hi, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED,
                                          HIGH_PART_SCALE)
                 own = (q_pos // BLOCK_SIZE == logical_block)[:, None]
                 scores = tl.where(own, scores, closed)
@@ -607,7 +591,6 @@ def _paged_attention_kernel(
         qr_lo = qr_lo32.to(dt)
         qr_hi = qr_hi32.to(dt)
         qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
-        q_parts = _query_parts(q_lo, q_hi, WIDE_CODES)
         # the channels whose codes come 16 x too large: q takes the 1/16 (a power of two: the same rounding)
         qr_parts = _query_parts(qr_lo, (qr_hi32 * HIGH_PART_SCALE).to(dt), WIDE_CODES)
 
@@ -642,7 +625,7 @@ def _paged_attention_kernel(
                 own_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
             for tile in range(first_tile, own_tile):
                 m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_sum, q_rows, row_live, q_pos,
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum, q_rows, row_live, q_pos,
                     seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
@@ -652,7 +635,7 @@ def _paged_attention_kernel(
             # take the shared memory that lets a second program share the SM (occupancy) for at most a tile or two
             for tile in tl.range(own_tile, last_tile, num_stages=1):
                 m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_parts, qr_parts, qr_sum, q_rows, row_live, q_pos,
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum, q_rows, row_live, q_pos,
                     seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
