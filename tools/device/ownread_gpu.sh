@@ -21,13 +21,15 @@ echo "tests exit $? (124 = hit the bound)"
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ownread_tests.log" | tail -40
 
 DECODE_S=${DECODE_S:-140}
-# DECODE_METHODS: bench_kernels.py methods; LAUNCHES: space-separated --launch specs (NAME=SCHEME:FIELD=VALUE,...)
+# DECODE_METHODS: bench_kernels.py methods; LAUNCHES: space-separated --launch specs (NAME=SCHEME:FIELD=VALUE,...);
+# DECODE_SHAPES: bench_kernels.py --shapes
 DECODE_METHODS=${DECODE_METHODS:-fa3_bf16,s4kv_kivi,s4kv_saw}
 LAUNCH_ARGS=()
 for spec in ${LAUNCHES:-}; do LAUNCH_ARGS+=(--launch "$spec"); done
 echo "== decode attention, batch 1/32/256 x 4k/32k, $DECODE_METHODS ${LAUNCHES:-}, bounded to ${DECODE_S}s, at ${SECONDS}s"
 timeout "$DECODE_S" python3 tools/device/bench_kernels.py --out "$OUT" --methods "$DECODE_METHODS" "${LAUNCH_ARGS[@]}" \
-  --shapes llama-3.1-8b --batches 1,32,256 --contexts 4096,32768 --no-store --budget-s $((DECODE_S - 30)) \
+  --shapes "${DECODE_SHAPES:-llama-3.1-8b}" --batches 1,32,256 --contexts 4096,32768 --no-store \
+  --budget-s $((DECODE_S - 30)) \
   > "$OUT/kernels.log" 2>&1
 echo "decode exit $?"
 tail -20 "$OUT/kernels.log"
