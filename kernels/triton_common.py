@@ -8,12 +8,13 @@ EPS = tl.constexpr(2.0**-14)  # same as reference.EPS
 
 
 @triton.jit
-def hadamard_quadrant(HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
+def hadamard_quadrant(HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr, IS_BF16: tl.constexpr):
     """The HALF x HALF top-left quadrant of the unnormalized block-diagonal Sylvester Hadamard (rotate_halves says
-    how it gives the other three).
+    how it gives the other three), in bf16 or fp16.
 
     Entry (i, j) is (-1)^popcount(i & j) inside a diagonal block and 0 outside: built from the indices,
-    so no matrix is loaded, and +-1 is exact in fp16/bf16 (the 1/sqrt(b) is applied in fp32 after the dot).
+    so no matrix is loaded, and +-1 is exact in fp16/bf16 (the 1/sqrt(b) is applied in fp32 after the dot). The
+    parity goes straight into the sign bit of 1.0's 16-bit pattern: integer operations only, no conversions.
     """
     i = tl.arange(0, HALF)[:, None]
     j = tl.arange(0, HALF)[None, :]
@@ -21,9 +22,12 @@ def hadamard_quadrant(HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
     bits = bits ^ (bits >> 4)
     bits = bits ^ (bits >> 2)
     bits = bits ^ (bits >> 1)
-    sign = 1.0 - 2.0 * (bits & 1).to(tl.float32)
-    same_block = (i // HADAMARD_BLOCK) == (j // HADAMARD_BLOCK)
-    return tl.where(same_block, sign, 0.0)
+    # the parity as the sign bit of 1.0 (0x3F80 in bf16, 0x3C00 in fp16)
+    sign = ((bits & 1) << 15) | (0x3F80 if IS_BF16 else 0x3C00)
+    if HADAMARD_BLOCK < HALF:  # blocks within a half: 0 off the diagonal blocks
+        sign = tl.where((i // HADAMARD_BLOCK) == (j // HADAMARD_BLOCK), sign, 0)
+    quadrant = sign.to(tl.int16).to(tl.bfloat16 if IS_BF16 else tl.float16, bitcast=True)
+    return quadrant
 
 
 @triton.jit
@@ -36,8 +40,7 @@ def rotate_halves(x_lo, x_hi, HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
     the diagonal and leave the off-diagonal quadrants 0. So two dots and one generated quadrant, not four of each
     (the pattern is built per program, which every decode split pays before its first tile).
     """
-    dt = x_lo.dtype
-    q = hadamard_quadrant(HADAMARD_BLOCK, HALF).to(dt)
+    q = hadamard_quadrant(HADAMARD_BLOCK, HALF, x_lo.dtype == tl.bfloat16)
     a = tl.dot(x_lo, q)
     b = tl.dot(x_hi, q)
     norm = 1.0 / tl.sqrt(HADAMARD_BLOCK * 1.0)
