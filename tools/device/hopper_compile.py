@@ -129,8 +129,9 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             prefill_qsl = torch.tensor([0, 3, 20], dtype=torch.int32)
             attention.paged_attention(q, cache, block_table, seq_lens, prefill_qsl, 17, 0.1, scheme,
                                       torch.empty_like(q), workspace=workspace, launch=prefill_launch, **own_block)
-        # the decode launch with its codes read two bytes per element (LaunchConfig.wide_code_loads)
-        wide = replace(attention.DECODE_LAUNCH[scheme.name], wide_code_loads=True,
+        # the decode launch with its codes read two bytes per element and the merge a dependent launch
+        # (LaunchConfig.wide_code_loads, dependent_merge)
+        wide = replace(attention.DECODE_LAUNCH[scheme.name], wide_code_loads=True, dependent_merge=True,
                        subnormal_codes=attention.DECODE_LAUNCH[scheme.name].subnormal_codes
                        and head_dim in attention.SUBNORMAL_HEAD_DIMS)
         q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype)
