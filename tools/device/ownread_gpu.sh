@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The read rule on the lent H200 in one call (under 8 minutes): its GPU tests (with the rotation's, the wide code
-# loads' and the dependent merge's), then decode attention timed against FA3 bf16 in the same run (the rule must cost no decode speed; LAUNCHES
-# adds DECODE_LAUNCH variants), then the FlashAttention prefill (both schemes' gather + FA pass against FA3 bf16) at
-# 8k and 32k. Each part is bounded and prints its bound.
+# loads' and the dependent merge's), then decode attention timed against FA3 bf16 in the same run (the rule must cost
+# no decode speed; LAUNCHES adds DECODE_LAUNCH variants), then the FlashAttention prefill (both schemes' gather + FA
+# pass against FA3 bf16) at 8k and 32k. Each part is bounded and prints its bound.
 # device run, carry [".vlb"], timeout_s 600:  bash tools/device/ownread_gpu.sh
 # Back in $OUT: ownread_tests.log, kernels.{json,md}, kernels.log, bench_prefill_chunked.json, prefill.log.
 set -uo pipefail
