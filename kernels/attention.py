@@ -806,9 +806,9 @@ class SplitWorkspace:
 
 
 def _high_part_scale(launch: LaunchConfig, dtype: torch.dtype) -> float:
-    """What the high-nibble parts of wide code loads come multiplied by, inverted: key quarters 1 and 3 (channels
-    HALF + 2i, HALF + 2i + 1) and the values' channels HALF + j. The fp16 formats (subnormal codes, or biased with
-    fp16 queries) keep a byte's high nibble in place, 16 x the code (_unpack_quarters): 1/16; else 1."""
+    """The factor that takes the high-nibble parts of wide code loads back to their codes: key quarters 1 and 3
+    (channels HALF + 2i, HALF + 2i + 1) and the values' channels HALF + j. The fp16 formats (subnormal codes, or
+    biased with fp16 queries) keep a byte's high nibble in place as 16 x the code (_unpack_quarters): 1/16; else 1."""
     in_place = launch.wide_code_loads and (launch.subnormal_codes or dtype == torch.float16)
     return 0.0625 if in_place else 1.0
 
