@@ -53,13 +53,15 @@ def decode_case(name, shape):
     return batch, cache, pool, batch_rule_attention(batch, SOFTMAX_SCALE, SCHEMES[name])
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["bytes", "wide"])
 @pytest.mark.parametrize("codes", list(CODE_PATHS))
 @pytest.mark.parametrize("name,shape", _cases())
-def test_decode_follows_the_rule(name, shape, codes):
-    """Every code path (attention.CODE_PATHS) of the scheme's decode launch, split-KV as the backend sizes it."""
+def test_decode_follows_the_rule(name, shape, codes, wide):
+    """Every code path (attention.CODE_PATHS) of the scheme's decode launch, split-KV as the backend sizes it, with
+    the codes read a byte or two bytes per element (LaunchConfig.wide_code_loads)."""
     num_q, num_kv, head_dim = shape
     scheme = SCHEMES[name]
-    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[codes])
+    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], **CODE_PATHS[codes], wide_code_loads=wide)
     if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
         pytest.skip("the subnormal codes are refused at this head_dim (test_attention_kernel.py)")
     batch, cache, pool, expected = decode_case(name, shape)
