@@ -244,16 +244,15 @@ def _unpack_quarters(packed, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, 
         else:
             parts = tl.inline_asm_elementwise(_PTX_QUARTERS_BIASED_FP16, "=r,=r,=r,=r,r", [packed],
                                               dtype=(tl.float16,) * 4, is_pure=True, pack=2)
-    elif SUBNORMAL or not IS_BF16:  # the high nibbles in place, as the PTX leaves them
-        parts = (_codes_as_float(packed & 0x0F, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
-                 _codes_as_float(packed & 0xF0, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
-                 _codes_as_float((packed >> 8) & 0x0F, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
-                 _codes_as_float((packed >> 8) & 0xF0, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS))
     else:
-        parts = (_codes_as_float(packed & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
-                 _codes_as_float((packed >> 4) & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
-                 _codes_as_float((packed >> 8) & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
-                 _codes_as_float((packed >> 12) & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS))
+        # a high nibble as the PTX leaves it: in place (16 x the code) in the fp16 formats, shifted down in bf16
+        HIGH_SHIFT: tl.constexpr = 0 if SUBNORMAL or not IS_BF16 else 4
+        HIGH_MASK: tl.constexpr = 0x0F << (4 - HIGH_SHIFT)
+        second = packed >> 8
+        parts = (_codes_as_float(packed & 0x0F, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
+                 _codes_as_float((packed >> HIGH_SHIFT) & HIGH_MASK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
+                 _codes_as_float(second & 0x0F, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS),
+                 _codes_as_float((second >> HIGH_SHIFT) & HIGH_MASK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS))
     return parts
 
 
@@ -345,14 +344,21 @@ def _load_codes(cache_u8_ptr, page, region, offset, CHANNEL_MAJOR: tl.constexpr,
 
 
 @triton.jit
+def _dot_parts(a_parts, b_parts):
+    """sum_i a_i @ b_i^T over parts split alike (_query_parts, _load_key_parts), accumulated in one fp32 tile."""
+    raw = tl.dot(a_parts[0], tl.trans(b_parts[0]))
+    for part in tl.static_range(1, len(b_parts)):
+        raw = tl.dot(a_parts[part], tl.trans(b_parts[part]), raw)
+    return raw
+
+
+@triton.jit
 def _scores_per_token(q_parts, q_sum, k_parts, cache_f16_ptr, k_params, offset, written,
                       CODE_SCALE: tl.constexpr, PAIRED: tl.constexpr):
     """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys; Q and
     the codes split alike (_query_parts)."""
     s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written, PAIRED)
-    raw = tl.dot(q_parts[0], tl.trans(k_parts[0]))
-    for part in tl.static_range(1, len(k_parts)):
-        raw = tl.dot(q_parts[part], tl.trans(k_parts[part]), raw)
+    raw = _dot_parts(q_parts, k_parts)
     return raw * (s_t * CODE_SCALE)[None, :] + q_sum[:, None] * m_t[None, :]
 
 
@@ -362,18 +368,13 @@ def _scores_per_channel(q_lo, q_hi, k_parts, cache_f16_ptr, k_params, CODE_SCALE
     """Q K^T for a KIVI block closed per channel (unrotated keys, per-channel params): (Q * scale) . codes + Q . min.
     Q * scale is split like the codes (_query_parts: halves, or with four parts quarters whose odd ones hold high
     nibbles, _high_part_scale)."""
-    channels = tl.arange(0, HALF)
-    s_lo, m_lo = load_channel_params(cache_f16_ptr, k_params, channels, PAIRED)
-    s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF + channels, PAIRED)
+    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF, PAIRED)
     dt = q_lo.dtype
     q32_lo = q_lo.to(tl.float32)
     q32_hi = q_hi.to(tl.float32)
     bias = tl.sum(q32_lo * m_lo, 1) + tl.sum(q32_hi * m_hi, 1)
     qs_parts = _query_parts((q32_lo * s_lo).to(dt), (q32_hi * (s_hi * HIGH_PART_SCALE)).to(dt), len(k_parts) == 4)
-    raw = tl.dot(qs_parts[0], tl.trans(k_parts[0]))
-    for part in tl.static_range(1, len(k_parts)):
-        raw = tl.dot(qs_parts[part], tl.trans(k_parts[part]), raw)
-    return raw * CODE_SCALE + bias[:, None]
+    return _dot_parts(qs_parts, k_parts) * CODE_SCALE + bias[:, None]
 
 
 @triton.jit

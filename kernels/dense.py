@@ -28,9 +28,7 @@ TILE = 64
 
 @triton.jit
 def _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params, HALF: tl.constexpr):
-    channels = tl.arange(0, HALF)
-    s_lo, m_lo = load_channel_params(cache_f16_ptr, k_params, channels, False)
-    s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF + channels, False)
+    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF, False)
     return k_lo * s_lo + m_lo, k_hi * s_hi + m_hi
 
 

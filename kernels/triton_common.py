@@ -95,15 +95,20 @@ def load_token_params(cache_f16_ptr, params, offset, written, PAIRED: tl.constex
 
 
 @triton.jit
-def load_channel_params(cache_f16_ptr, params, channels, PAIRED: tl.constexpr):
-    """fp32 (scale, min) of the given channels of a closed KIVI block, whose per-channel params region starts at
-    fp16 index ``params``, each [1, len(channels)]; PAIRED as in load_token_params."""
-    if PAIRED:  # a (scale, min) pair per 32-bit word
-        scale, minimum = split_fp16_pair(tl.load(cache_f16_ptr.to(tl.pointer_type(tl.int32)) + params // 2 + channels))
+def load_channel_params(cache_f16_ptr, params, HALF: tl.constexpr, PAIRED: tl.constexpr):
+    """fp32 (scale, min) of channels 0..HALF-1 and HALF..2*HALF-1 of a closed KIVI block, each [1, HALF];
+    PAIRED as in load_token_params."""
+    ch = tl.arange(0, HALF)
+    if PAIRED:
+        pairs = cache_f16_ptr.to(tl.pointer_type(tl.int32)) + params // 2  # a (scale, min) pair per 32-bit word
+        s_lo, m_lo = split_fp16_pair(tl.load(pairs + ch))
+        s_hi, m_hi = split_fp16_pair(tl.load(pairs + HALF + ch))
     else:
-        scale = tl.load(cache_f16_ptr + params + channels * 2).to(tl.float32)
-        minimum = tl.load(cache_f16_ptr + params + channels * 2 + 1).to(tl.float32)
-    return scale[None, :], minimum[None, :]
+        s_lo = tl.load(cache_f16_ptr + params + ch * 2).to(tl.float32)
+        m_lo = tl.load(cache_f16_ptr + params + ch * 2 + 1).to(tl.float32)
+        s_hi = tl.load(cache_f16_ptr + params + 2 * HALF + ch * 2).to(tl.float32)
+        m_hi = tl.load(cache_f16_ptr + params + 2 * HALF + ch * 2 + 1).to(tl.float32)
+    return s_lo[None, :], m_lo[None, :], s_hi[None, :], m_hi[None, :]
 
 
 @triton.jit
