@@ -2,7 +2,7 @@
 # The read rule on the lent H200 in one call (under 8 minutes): its GPU tests (with the rotation's, the wide code
 # loads' and the dependent merge's), then decode attention timed against FA3 bf16 in the same run (the rule must cost
 # no decode speed; LAUNCHES adds DECODE_LAUNCH variants), then the FlashAttention prefill (both schemes' gather + FA
-# pass against FA3 bf16) at 8k and 32k. Each part is bounded and prints its bound.
+# pass against FA3 bf16) at 8k and 32k. Each part is bounded and prints its bound (TEST_S, DECODE_S, PREFILL_S).
 # device run, carry [".vlb"], timeout_s 600:  bash tools/device/ownread_gpu.sh
 # Back in $OUT: ownread_tests.log, kernels.{json,md}, kernels.log, bench_prefill_chunked.json, prefill.log.
 set -uo pipefail
@@ -35,7 +35,8 @@ timeout "$DECODE_S" python3 tools/device/bench_kernels.py --out "$OUT" --methods
 echo "decode exit $?"
 tail -20 "$OUT/kernels.log"
 
-PREFILL_S=${PREFILL_S:-110}
+PREFILL_S=${PREFILL_S:-110}  # 0 skips the prefill part
+[ "$PREFILL_S" = 0 ] && { echo "done at ${SECONDS}s (prefill skipped)"; exit 0; }
 echo "== prefill: FA3 bf16, int4_saw and int4_kivi (gather + FA), 8k and 32k prompts in 8k chunks, bounded to" \
   "${PREFILL_S}s, at ${SECONDS}s"
 timeout "$PREFILL_S" python3 tools/device/bench_prefill.py --prompts 8192,32768 --chunk 8192 --no-cases > "$OUT/prefill.log" 2>&1
