@@ -74,6 +74,13 @@ class LaunchConfig:
     # launch at their start, and it reads the step's metadata before it waits for their partials: its launch and
     # first loads overlap the splits instead of following them (at batch 1 the merge was a third of the step)
     dependent_merge: bool = False
+    # tile loop only: the tiles that every live row of a program sees wholly (all before the first row's position,
+    # the program's smallest) run without the causal/length mask: no visibility select on the scores, no guard for
+    # an all-masked row maximum, per-token params loaded unmasked. Only the tile or two at the end of a program's
+    # range run the masked code, in a loop of their own (int4_saw's one loop splits in two; int4_kivi's loop before
+    # the own blocks, already whole, drops its masks). The decode loop is issue bound, and the masks cost selects
+    # and compares in every tile; the price is the tail tile's loads, no longer prefetched during the tile before
+    unmasked_full_tiles: bool = False
 
 
 # The ways codes become MMA operands, by name (LaunchConfig fields): what the GPU tests check and the tuning and
@@ -354,10 +361,10 @@ def _dot_parts(a_parts, b_parts):
 
 @triton.jit
 def _scores_per_token(q_parts, q_sum, k_parts, cache_f16_ptr, k_params, offset, written,
-                      CODE_SCALE: tl.constexpr, PAIRED: tl.constexpr):
+                      CODE_SCALE: tl.constexpr, PAIRED: tl.constexpr, ALL_WRITTEN: tl.constexpr):
     """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys; Q and
-    the codes split alike (_query_parts)."""
-    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written, PAIRED)
+    the codes split alike (_query_parts); ALL_WRITTEN: the params load unmasked (load_token_params)."""
+    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written, PAIRED, ALL_WRITTEN)
     raw = _dot_parts(q_parts, k_parts)
     return raw * (s_t * CODE_SCALE)[None, :] + q_sum[:, None] * m_t[None, :]
 
@@ -404,15 +411,17 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
                  seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                  block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                  new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                 OWN: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 IS_KIVI: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
+                 TAIL: tl.constexpr, FULL: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, IS_KIVI: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
                  CODE_SCALE: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
                  CODE_BIAS: tl.constexpr, HALF: tl.constexpr, PAIRED: tl.constexpr, WIDE: tl.constexpr,
                  HIGH_PART_SCALE: tl.constexpr):
-    """One K/V tile into the online softmax (m_i, l_i) and the accumulators; OWN: the tile may hold keys of a
-    query's own block (int4_kivi reads them from the original keys). q_lo, q_hi: the query rows' halves (int4_kivi
-    scales them per channel each block); qr_parts: int4_saw's rotated rows split as the codes are read (_query_parts;
-    WIDE: LaunchConfig.wide_code_loads)."""
+    """One K/V tile into the online softmax (m_i, l_i) and the accumulators. TAIL: one of the program's last tiles,
+    which may hold keys of a query's own block (int4_kivi reads them from the original keys) or keys some row may not
+    see; FULL (never with TAIL): every live row sees every key of the tile, so it runs without the visibility and
+    written-slot masks (LaunchConfig.unmasked_full_tiles). q_lo, q_hi: the query rows' halves (int4_kivi scales them
+    per channel each block); qr_parts: int4_saw's rotated rows split as the codes are read (_query_parts; WIDE:
+    LaunchConfig.wide_code_loads)."""
     dt = q_lo.dtype
     layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
     layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
@@ -431,7 +440,7 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
     k_parts = _load_key_parts(cache_u8_ptr, page, offset, WIDE, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16,
                               CODE_BIAS_BITS, CODE_BIAS, HALF)
     if IS_KIVI:
-        if not OWN:  # a block before the program's own blocks: closed for every row, per channel
+        if not TAIL:  # a block before the program's own blocks: closed for every row, per channel
             scores = _scores_per_channel(q_lo, q_hi, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED,
                                          HIGH_PART_SCALE)
         else:
@@ -449,24 +458,32 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
                 scores = tl.where(own, scores, closed)
     else:
         scores = _scores_per_token(qr_parts, qr_sum, k_parts, cache_f16_ptr, k_params, offset, written,
-                                   CODE_SCALE, PAIRED)
-    visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
-    scores = tl.where(visible, scores * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                                   CODE_SCALE, PAIRED, FULL)
+    if FULL:
+        # every key is written and seen by every live row, so each row's maximum is finite from the first tile on
+        # (a dead row's q is 0: its scores are 0, and its output is never stored)
+        scores = scores * qk_scale
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_ref = m_new
+    else:
+        visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(scores - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     v_parts = _load_value_parts(cache_u8_ptr, page, layout_v_codes, in_page, WIDE, TILE, BLOCK_SIZE, PTX_UNPACK,
                                 SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
-    sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written, PAIRED)
+    sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written, PAIRED, FULL)
     p_sv = p * sv[None, :]
     p_mv = p * mv[None, :]
-    if BLOCK_Q > 1:
+    if BLOCK_Q > 1 and not FULL:
         # a broken value (NaN scale) must poison only the queries that see it: p = 0 for a later token,
         # but 0 * NaN is NaN, so select on visibility. A decode row sees exactly the written slots, whose
         # params are loaded as 0 past the end: there the select changes nothing, and on the H200 it made
-        # int4_kivi decode (128-token tiles) about 30% slower at batch 256.
+        # int4_kivi decode (128-token tiles) about 30% slower at batch 256. In a FULL tile every row sees
+        # every key.
         p_sv = tl.where(visible, p_sv, 0.0)
         p_mv = tl.where(visible, p_mv, 0.0)
     acc_lo, acc_hi = _accumulate_values(acc_lo * alpha[:, None], acc_hi * alpha[:, None], p_sv.to(dt), v_parts)
@@ -557,6 +574,7 @@ def _paged_attention_kernel(
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
     PAIRED_PARAMS: tl.constexpr, WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     DECODE: tl.constexpr, WIDE_CODES: tl.constexpr, HIGH_PART_SCALE: tl.constexpr, LAUNCH_MERGE: tl.constexpr,
+    UNMASKED_FULL_TILES: tl.constexpr,
 ):
     if LAUNCH_MERGE:  # the merge (a dependent launch) may start once every split has: it waits for our partials
         gdc_launch_dependents()
@@ -626,28 +644,38 @@ def _paged_attention_kernel(
             acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
             acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
             acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
-            # int4_kivi: the tiles before the program's own blocks in a loop of their own, per channel only, so the
-            # own-block path (original keys, a second score matrix) costs neither registers nor branches there
-            own_tile = last_tile
+            # Two loops: the tiles every live row sees wholly, then the program's tail. int4_kivi's tail starts at
+            # the program's own blocks, so the per-channel tiles before them cost neither registers nor branches
+            # for the own-block path (original keys, a second score matrix). With UNMASKED_FULL_TILES the first
+            # loop runs without masks (LaunchConfig.unmasked_full_tiles), and int4_saw's tail starts at the first
+            # tile holding a key past the first row's position (the program's smallest: later rows see more);
+            # without it int4_saw runs every tile in the first loop, masked.
+            tail_tile = last_tile
             if IS_KIVI:
-                own_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
-            for tile in range(first_tile, own_tile):
+                tail_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
+            elif UNMASKED_FULL_TILES:
+                tail_tile = tl.maximum(tl.minimum((context + local_block * BLOCK_Q + 1) // TILE, last_tile),
+                                       first_tile)
+            for tile in range(first_tile, tail_tile):
                 m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
                     tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum, q_rows, row_live, q_pos,
                     seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                    False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE)
-            # not pipelined: its original-key tiles are 16-bit, and buffering them in shared memory (num_stages) would
-            # take the shared memory that lets a second program share the SM (occupancy) for at most a tile or two
-            for tile in tl.range(own_tile, last_tile, num_stages=1):
+                    False, UNMASKED_FULL_TILES, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE,
+                    IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE)
+            # not pipelined: the tail is a tile or two per program (in decode at most one, in the last split only).
+            # Its first tile's loads start once the first loop is done, pipelined or not (as the last tile of one
+            # loop they were prefetched during the tile before: what the split costs); a pipeline would overlap
+            # only a second tile's loads, for more code and shared memory, and buffering int4_kivi's 16-bit
+            # original-key tiles would take the shared memory that lets a second program share the SM (occupancy).
+            for tile in tl.range(tail_tile, last_tile, num_stages=1):
                 m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
                     tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum, q_rows, row_live, q_pos,
                     seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                    True, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
+                    True, False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
                     CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE)
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * (CODE_SCALE * HIGH_PART_SCALE) + acc_min[:, None]
@@ -879,6 +907,9 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     if launch.warp_split and launch.wide_code_loads:
         raise ValueError("LaunchConfig.wide_code_loads is a tile-loop option: the warp-split loop reads codes a byte "
                          "at a time")
+    if launch.warp_split and launch.unmasked_full_tiles:
+        raise ValueError("LaunchConfig.unmasked_full_tiles is a tile-loop option: the warp-split loop masks every "
+                         "tile")
     if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
         if not default_launch:
             raise ValueError(f"LaunchConfig.subnormal_codes is validated on the GPU at head_dim "
@@ -917,6 +948,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         PAIRED_PARAMS=launch.paired_param_loads, WARP_SPLIT=launch.warp_split, WARPS=launch.num_warps,
         MIN_SPLIT_TILES=plan.min_split_tiles, DECODE=decode, WIDE_CODES=launch.wide_code_loads,
         HIGH_PART_SCALE=_high_part_scale(launch, query.dtype), LAUNCH_MERGE=dependent_merge,
+        UNMASKED_FULL_TILES=launch.unmasked_full_tiles,
         **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **compiler_options,
     )

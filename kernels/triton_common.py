@@ -81,11 +81,20 @@ def _row_pow2_scales(x_lo, x_hi):
 
 
 @triton.jit
-def load_token_params(cache_f16_ptr, params, offset, written, PAIRED: tl.constexpr):
+def load_token_params(cache_f16_ptr, params, offset, written, PAIRED: tl.constexpr,
+                      ALL_WRITTEN: tl.constexpr = False):
     """fp32 (scale, min) of the tokens at ``offset`` of a page's per-token params region, which starts at fp16
     index ``params``; 0 for slots not written. PAIRED: each (scale, min) pair as one 32-bit load, else two 2-byte
-    loads (LaunchConfig.paired_param_loads says why and where)."""
-    if PAIRED:
+    loads (LaunchConfig.paired_param_loads says why and where). ALL_WRITTEN: the caller knows every slot is
+    written, so the loads take no mask (``written`` is ignored)."""
+    if ALL_WRITTEN:
+        if PAIRED:
+            pair = tl.load(cache_f16_ptr.to(tl.pointer_type(tl.int32)) + params // 2 + offset)
+            scale, minimum = split_fp16_pair(pair)
+        else:
+            scale = tl.load(cache_f16_ptr + params + offset * 2).to(tl.float32)
+            minimum = tl.load(cache_f16_ptr + params + offset * 2 + 1).to(tl.float32)
+    elif PAIRED:
         pair = tl.load(cache_f16_ptr.to(tl.pointer_type(tl.int32)) + params // 2 + offset, mask=written, other=0)
         scale, minimum = split_fp16_pair(pair)
     else:
