@@ -157,6 +157,8 @@ def test_launch_methods_replace_fields_of_the_decode_launch(bk, monkeypatch):
     assert build.args == ({"scheme": "int4_saw"}, None)
     assert build.keywords == {"launch_options": {"wide_code_loads": True, "subnormal_codes": False,
                                                  "max_registers": 96}}
+    assert bk.parse_launch_method("s4kv_saw_um=int4_saw:unmasked_full_tiles=true") == (
+        "s4kv_saw_um", "int4_saw", {"unmasked_full_tiles": True})
     for bad, message in (("saw_w96=int4_saw:max_registers=96", "expected s4kv_NAME"),
                          ("s4kv_saw=int4_saw:max_registers=96", "already a method"),
                          ("s4kv_x=int4_fp8:max_registers=96", "not one of"),

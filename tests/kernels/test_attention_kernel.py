@@ -22,10 +22,11 @@ from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
 
-# Interpreter noise: it evaluates 1 / l for query rows a program masks out (l = 0, never stored), and numpy
-# deprecates how it turns 1-element arrays into loop bounds.
+# Interpreter noise: it evaluates 1 / l for query rows a program masks out (l = 0, never stored), takes row maxima
+# over the NaN scores of poisoned rows, and numpy deprecates how it turns 1-element arrays into loop bounds.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"),
 ]
 
@@ -41,6 +42,8 @@ SOFTMAX_SCALE = 128**-0.5
 # closes a KIVI block), decodes at block edges
 MIXED = [(0, 70), (127, 1), (200, 20), (3, 1), (100, 40), (0, 1), (256, 5)]
 DECODE = [(0, 1), (126, 1), (127, 1), (300, 1), (5, 1), (383, 1)]
+# MIXED and chunks whose 9-token query tiles (GQA 7) cross a 64-token tile edge with rows before it (59-67, 120-128)
+STRADDLING = MIXED + [(50, 30), (120, 20)]
 # fp16 output and fp16 P @ V products against the float32 reference
 MAX_REL_ERR = 1e-2
 
@@ -208,6 +211,40 @@ def test_wide_code_loads_match_the_reference(gen, kernel_device, scheme_name, he
                            f"{scheme_name} wide {code_path} codes head_dim {head_dim}")
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["byte-codes", "wide-codes"])
+@pytest.mark.parametrize("specs,tile,num_splits", [(STRADDLING, None, None), (DECODE, 128, None), (DECODE, 128, 4),
+                                                   (DECODE, 64, 8)],
+                         ids=["mixed", "decode", "decode-split", "decode-split-tile64"])
+@pytest.mark.parametrize("scheme_name,head_dim", [("saw128", 128), ("saw64-rotv", 64)])
+def test_unmasked_full_tiles_match_the_reference(gen, kernel_device, scheme_name, head_dim, specs, tile, num_splits,
+                                                 wide):
+    """The tiles every live row of a program sees wholly without the masks, the rest masked
+    (LaunchConfig.unmasked_full_tiles): contexts ending mid-tile, on a tile edge and inside the first tile, split
+    decode (the splits before a sequence's last have no masked tail), prefill and chunks over cached prefixes, GQA 7
+    (dead rows in every program), query tiles across a tile edge. Against the reference, and under the interpreter
+    bit for bit the masked run: in a tile a row sees wholly the masks change no number."""
+    scheme = SCHEMES[scheme_name]
+    num_q_heads, num_kv_heads = heads_for(7)
+    batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
+                             device=kernel_device, num_padding=1, head_dim=head_dim)
+    cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    base = dataclasses.replace(DECODE_LAUNCH[scheme.name], tile=tile) if tile else PREFILL_LAUNCH
+    masked = dataclasses.replace(base, ptx_unpack=kernel_device.type == "cuda", subnormal_codes=False,
+                                 wide_code_loads=wide)
+    workspace = None
+    if num_splits:
+        workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
+                                            max_num_seqs=len(specs), num_splits=num_splits)
+        workspace.part_acc.fill_(float("nan"))
+        workspace.part_ml.fill_(float("nan"))
+    out = run_kernel(batch, cache, scheme, workspace, dataclasses.replace(masked, unmasked_full_tiles=True))
+    assert_attention_close(out, run_reference(batch, cache, scheme),
+                           f"{scheme_name} unmasked full tiles, tile {tile}, splits {num_splits}, wide {wide}")
+    if kernel_device.type == "cpu":
+        assert torch.equal(out, run_kernel(batch, cache, scheme, workspace, masked))
+
+
 def test_ptx_unpack_is_refused_by_the_interpreter():
     """Off the GPU the option is an error naming the cause, never a silent fall-back to another path."""
     if torch.cuda.is_available():
@@ -241,6 +278,17 @@ def test_wide_code_loads_are_refused_with_the_warp_split_loop():
     q = torch.zeros(1, 8, 128, dtype=torch.float16)
     launch = dataclasses.replace(WARP_SPLIT_LAUNCH[scheme.name], ptx_unpack=False, wide_code_loads=True)
     with pytest.raises(ValueError, match="wide_code_loads is a tile-loop option"):
+        paged_attention(q, torch.zeros(2, 2, 136 * 128, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.int32),
+                        torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.1, scheme,
+                        torch.empty_like(q), launch=launch)
+
+
+def test_unmasked_full_tiles_are_refused_with_the_warp_split_loop():
+    """The warp-split loop masks every tile: asking for it with unmasked full tiles is an error."""
+    scheme = SCHEMES["saw128"]
+    q = torch.zeros(1, 8, 128, dtype=torch.float16)
+    launch = dataclasses.replace(WARP_SPLIT_LAUNCH[scheme.name], ptx_unpack=False, unmasked_full_tiles=True)
+    with pytest.raises(ValueError, match="unmasked_full_tiles is a tile-loop option"):
         paged_attention(q, torch.zeros(2, 2, 136 * 128, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.int32),
                         torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.1, scheme,
                         torch.empty_like(q), launch=launch)
@@ -343,18 +391,22 @@ def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, specs, 
     assert_attention_close(out[:num_tokens], expected, "padded batch")
 
 
+@pytest.mark.parametrize("unmasked_full_tiles", [False, True], ids=["masked", "unmasked-full-tiles"])
 @pytest.mark.parametrize("scheme_name", ["saw64-rotv"])
-def test_a_broken_value_poisons_only_the_queries_that_see_it(gen, kernel_device, scheme_name):
+def test_a_broken_value_poisons_only_the_queries_that_see_it(gen, kernel_device, scheme_name, unmasked_full_tiles):
     """A NaN value (stored with a NaN scale) in a fresh prefill and in a chunk over a cached prefix: the queries
     before it must not see it (p = 0 there, and 0 * NaN is NaN), those after it must be NaN. Which rows are NaN
-    comes from the oracle that gives each query only the keys it may see; the other rows match the reference."""
+    comes from the oracle that gives each query only the keys it may see; the other rows match the reference. With
+    LaunchConfig.unmasked_full_tiles the poisoned tile is a full one for the later query tiles of both sequences."""
     scheme = SCHEMES[scheme_name]
     batch = make_paged_batch(gen, [(0, 70), (100, 40)], 8, 2, block_size=128, dtype=torch.float16,
                              device=kernel_device)
     poison_fresh_values(batch, {0: 30, 1: 120})
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    out = run_kernel(batch, cache, scheme)
+    out = run_kernel(batch, cache, scheme,
+                     launch=dataclasses.replace(PREFILL_LAUNCH, unmasked_full_tiles=True) if unmasked_full_tiles
+                     else None)
     assert_poisoned_rows(out, unquantized_attention(batch, SOFTMAX_SCALE), scheme_name)
     expected = run_reference(batch, cache, scheme)
     finite = ~torch.isnan(expected).any(-1)

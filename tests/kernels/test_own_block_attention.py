@@ -103,6 +103,31 @@ def test_wide_code_loads_follow_the_rule(gen, kernel_device, specs, head_dim, co
                         f"wide {code_path} head_dim {head_dim}")
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["byte-codes", "wide-codes"])
+@pytest.mark.parametrize("specs,head_dim,tile,num_splits", [(CHUNKS, 128, None, None), (DECODE, 128, 128, None),
+                                                            (DECODE, 128, 128, 8), (DECODE, 64, 64, 4)],
+                         ids=["chunks", "decode", "decode-split", "decode-split-64-tile64"])
+def test_unmasked_full_tiles_follow_the_rule(gen, kernel_device, specs, head_dim, tile, num_splits, wide):
+    """The tiles before a program's own blocks without the masks (LaunchConfig.unmasked_full_tiles), its own-block
+    tail masked: decode at offsets 0, 1 and 127 of the own block, one pass and split (the splits before the own
+    block's have no tail), chunks over cached prefixes spanning blocks, GQA 7 (dead rows in every program). Against
+    the rule's oracle, and under the interpreter bit for bit the masked run."""
+    batch, cache, pool = stored_step(gen, specs, head_dim, kernel_device, num_q_heads=7, num_kv_heads=1)
+    base = dataclasses.replace(DECODE_LAUNCH[KIVI.name], tile=tile) if tile else PREFILL_LAUNCH
+    masked = dataclasses.replace(base, ptx_unpack=kernel_device.type == "cuda", wide_code_loads=wide,
+                                 subnormal_codes=base.subnormal_codes and head_dim == 128)
+    workspace = None
+    if num_splits:
+        workspace = SplitWorkspace.allocate(7, 1, head_dim, kernel_device, num_splits=num_splits)
+        workspace.part_acc.fill_(float("nan"))
+        workspace.part_ml.fill_(float("nan"))
+    out = attend(batch, cache, pool, workspace=workspace, launch=dataclasses.replace(masked, unmasked_full_tiles=True))
+    assert_matches_rule(out, batch_rule_attention(batch, SOFTMAX_SCALE, KIVI),
+                        f"unmasked full tiles, head_dim {head_dim}, tile {tile}, splits {num_splits}, wide {wide}")
+    if kernel_device.type == "cpu":
+        assert torch.equal(out, attend(batch, cache, pool, workspace=workspace, launch=masked))
+
+
 @pytest.mark.parametrize("with_workspace", [False, True])
 def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, with_workspace):
     """As vLLM pads a decode batch to a CUDA-graph size: query and key rows past the step (NaN), padded sequences with
@@ -124,11 +149,14 @@ def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, with_wo
     assert_matches_rule(out[:n], expected, "padded batch")
 
 
-def test_a_broken_value_poisons_only_the_queries_that_see_it(gen, kernel_device):
+@pytest.mark.parametrize("unmasked_full_tiles", [False, True], ids=["masked", "unmasked-full-tiles"])
+def test_a_broken_value_poisons_only_the_queries_that_see_it(gen, kernel_device, unmasked_full_tiles):
     """A NaN value in a chunk from 0 and in one over a cached prefix spanning a block edge: exactly the queries at or
-    after it are NaN (the oracle slices what each query sees), the others follow the rule."""
+    after it are NaN (the oracle slices what each query sees), the others follow the rule; also with the tiles before
+    a program's own blocks unmasked (LaunchConfig.unmasked_full_tiles)."""
     batch, cache, pool = stored_step(gen, [(0, 70), (100, 40)], 64, kernel_device, poison={0: 30, 1: 120})
-    out = attend(batch, cache, pool)
+    out = attend(batch, cache, pool,
+                 launch=dataclasses.replace(PREFILL_LAUNCH, unmasked_full_tiles=True) if unmasked_full_tiles else None)
     expected = batch_rule_attention(batch, SOFTMAX_SCALE, KIVI)
     assert_poisoned_rows(out.cpu(), expected, "int4_kivi")
     finite = ~torch.isnan(expected).any(-1)
