@@ -129,10 +129,10 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             prefill_qsl = torch.tensor([0, 3, 20], dtype=torch.int32)
             attention.paged_attention(q, cache, block_table, seq_lens, prefill_qsl, 17, 0.1, scheme,
                                       torch.empty_like(q), workspace=workspace, launch=prefill_launch, **own_block)
-        # the decode launch with its codes read two bytes per element and the merge a dependent launch
-        # (LaunchConfig.wide_code_loads, dependent_merge)
+        # the decode launch with its codes read two bytes per element, the merge a dependent launch and the tiles
+        # every row sees wholly unmasked (LaunchConfig.wide_code_loads, dependent_merge, unmasked_full_tiles)
         wide = replace(attention.DECODE_LAUNCH[scheme.name], wide_code_loads=True, dependent_merge=True,
-                       subnormal_codes=attention.DECODE_LAUNCH[scheme.name].subnormal_codes
+                       unmasked_full_tiles=True, subnormal_codes=attention.DECODE_LAUNCH[scheme.name].subnormal_codes
                        and head_dim in attention.SUBNORMAL_HEAD_DIMS)
         q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype)
         attention.paged_attention(q, cache, block_table, seq_lens, torch.arange(num_seqs + 1, dtype=torch.int32), 1,
@@ -140,6 +140,11 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
                                   workspace=attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim,
                                                                               "cpu", scheme.name),
                                   launch=wide, **own_block)
+        # prefill with the tiles every row of a query tile sees wholly unmasked (LaunchConfig.unmasked_full_tiles)
+        q = torch.zeros(20, num_q_heads, head_dim, dtype=dtype)
+        attention.paged_attention(q, cache, block_table, seq_lens, torch.tensor([0, 3, 20], dtype=torch.int32), 17,
+                                  0.1, scheme, torch.empty_like(q),
+                                  launch=replace(attention.PREFILL_LAUNCH, unmasked_full_tiles=True), **own_block)
         if scheme.name in attention.WARP_SPLIT_LAUNCH:  # the split decode DECODE_SPLITS picks at large batches
             q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype)
             workspace = attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cpu", scheme.name)

@@ -13,12 +13,14 @@ before the first tile (the prologue every program runs once). The last column tu
 code into a bandwidth: the TB/s of cache bytes at which the loop would take every issue slot it gets, if it gets the
 half of them the profile measured. Above that bandwidth the instruction count, not the memory, is the limit.
 
-    python tools/device/sass_stats.py                      # every decode launch of both schemes, bf16 and fp16
-    python tools/device/sass_stats.py --wide               # the same with codes read two bytes per element
-    python tools/device/sass_stats.py --json out.json      # also each loop's histogram of instructions (mnemonics)
+    python tools/device/sass_stats.py                        # every decode launch of both schemes, bf16 and fp16
+    python tools/device/sass_stats.py --wide                 # the same with codes read two bytes per element
+    python tools/device/sass_stats.py --unmasked-full-tiles  # the same with the wholly seen tiles unmasked
+    python tools/device/sass_stats.py --json out.json        # also each loop's histogram of instructions (mnemonics)
 
 Counts are static: one pass through the first tile loop (in int4_kivi the tiles before a program's own block, keys
-per channel; its own-block loop after it runs a tile or two per program). They predict, they do not measure: the GPU
+per channel; its own-block loop after it runs a tile or two per program; with --unmasked-full-tiles int4_saw's
+loop over the tiles every row sees wholly, its masked tail after it). They predict, they do not measure: the GPU
 benchmark (tools/device/bench_kernels.py) decides.
 """
 
@@ -206,20 +208,23 @@ def launch_label(launch: attention.LaunchConfig) -> str:
     """TILExWARPSxSTAGES of a decode launch as the table names it, with " warp split" for that loop."""
     tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
     return (f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
-            + (" wide" if launch.wide_code_loads else ""))
+            + (" wide" if launch.wide_code_loads else "") + (" unmasked" if launch.unmasked_full_tiles else ""))
 
 
-def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], wide: bool = False):
+def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], wide: bool = False,
+             unmasked: bool = False):
     """(label, scheme, query dtype, launch) of every variant to compile: each launch (default: the scheme's decode
-    launches) with each code path, with ``wide`` its codes read two bytes per element (the tile loop only)."""
+    launches) with each code path, with ``wide`` its codes read two bytes per element and with ``unmasked`` the
+    tiles every row sees wholly run without the masks (both tile-loop options: no warp-split launch then)."""
     for name in scheme_names:
         scheme = Int4Scheme(name)
         for base in ([replace(parse_launch(text), **attention.kept_launch_options(name)) for text in launches]
                      or attention.decode_launches(name)):
-            if wide:
+            if wide or unmasked:
                 if base.warp_split:
                     continue
-                base = replace(base, wide_code_loads=True)
+                base = replace(base, wide_code_loads=base.wide_code_loads or wide,
+                               unmasked_full_tiles=base.unmasked_full_tiles or unmasked)
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
                     yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)
@@ -233,12 +238,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated TILExWARPSxSTAGES to compare (default: each scheme's DECODE_LAUNCH)")
     parser.add_argument("--wide", action="store_true",
                         help="read the codes two bytes per element (LaunchConfig.wide_code_loads; tile loop only)")
+    parser.add_argument("--unmasked-full-tiles", action="store_true",
+                        help="the tiles every row sees wholly without the masks (LaunchConfig.unmasked_full_tiles; "
+                             "tile loop only)")
     parser.add_argument("--json", type=Path, help="also write every variant's loop histogram (mnemonics) here")
     args = parser.parse_args(argv)
 
     rows, histograms = [], {}
     for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(","),
-                                                    [t for t in args.launches.split(",") if t], args.wide):
+                                                    [t for t in args.launches.split(",") if t], args.wide,
+                                                    args.unmasked_full_tiles):
         print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
         kernel = compile_decode(scheme, q_dtype, launch)
         prologue, loop = hottest_loop(*disassemble(kernel.cubin))
