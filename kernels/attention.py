@@ -664,7 +664,7 @@ def _paged_attention_kernel(
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                     False, UNMASKED_FULL_TILES, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE,
                     IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE)
-            # not pipelined: the tail is a tile or two per program (in decode at most one, in the last split only).
+            # not pipelined: the tail is a tile or two per program (int4_saw's decode: at most one, in the last split).
             # Its first tile's loads start once the first loop is done, pipelined or not (as the last tile of one
             # loop they were prefetched during the tile before: what the split costs); a pipeline would overlap
             # only a second tile's loads, for more code and shared memory, and buffering int4_kivi's 16-bit
