@@ -96,11 +96,12 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
 # a prefetch distance of (num_stages - 1) // (indirection levels + 1), and the page index read from the block table
 # is one level. At 3 stages the distance is 1, and the loop waits for every copy it issued before each tile's compute
 # (`DEPBAR.LE SB0, 0x0`, tools/device/sass_stats.py): no load overlaps the program's own compute. At 5 the next
-# tile's copies stay in flight; 7 change nothing more.
+# tile's copies stay in flight; 7 change nothing more. Codes read two bytes per element (wide_code_loads) with
+# the register caps that measured fastest with them: int4_saw at 96 fits five programs per SM.
 DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
-                                           paired_param_loads=True, max_registers=168),
-                 "int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=False, ptx_unpack=True,
-                                          paired_param_loads=True)}
+                                           paired_param_loads=True, max_registers=128, wide_code_loads=True),
+                 "int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
+                                          paired_param_loads=True, max_registers=96, wide_code_loads=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
 # the decode launch of the batch sizes DECODE_SPLITS marks for the warp-split loop (LaunchConfig.warp_split)
 WARP_SPLIT_LAUNCH = {"int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=False,
@@ -115,9 +116,10 @@ def decode_launches(scheme_name: str) -> list[LaunchConfig]:
 
 def kept_launch_options(scheme_name: str) -> dict:
     """The DECODE_LAUNCH fields of a scheme that launch sweeps keep while they vary the tile, warps, stages and code
-    path: how the kernel loads the parameters, and the register cap measured with that."""
+    path: how the kernel loads the codes and the parameters, and the register cap measured with that."""
     launch = DECODE_LAUNCH[scheme_name]
-    return {"paired_param_loads": launch.paired_param_loads, "max_registers": launch.max_registers}
+    return {"paired_param_loads": launch.paired_param_loads, "max_registers": launch.max_registers,
+            "wide_code_loads": launch.wide_code_loads}
 
 # The subnormal code path faults (illegal address) on the H200 at head_dim 64, where the biased one passes the GPU
 # tests: a default launch at another head_dim takes the biased codes, an explicit one is refused.
@@ -407,6 +409,12 @@ def _scores_from_originals(q_rows, row_live, new_keys_ptr, new_key_rows, staged_
 
 
 @triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    """tl.reduce's combine for two sums at once."""
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
 def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum, q_rows, row_live, q_pos,
                  seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
                  block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
@@ -472,7 +480,6 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(scores - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
     v_parts = _load_value_parts(cache_u8_ptr, page, layout_v_codes, in_page, WIDE, TILE, BLOCK_SIZE, PTX_UNPACK,
                                 SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
     sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written, PAIRED, FULL)
@@ -487,7 +494,11 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
         p_sv = tl.where(visible, p_sv, 0.0)
         p_mv = tl.where(visible, p_mv, 0.0)
     acc_lo, acc_hi = _accumulate_values(acc_lo * alpha[:, None], acc_hi * alpha[:, None], p_sv.to(dt), v_parts)
-    acc_min = acc_min * alpha + tl.sum(p_mv, 1)
+    # both row sums in one reduction: a tile's columns are spread over the warps, so each reduction is a round trip
+    # through shared memory with its barriers (sm_90 decode: 9 barriers a tile instead of 12)
+    p_sum, pmv_sum = tl.reduce((p, p_mv), 1, _add_pairs)
+    l_i = l_i * alpha + p_sum
+    acc_min = acc_min * alpha + pmv_sum
     return m_new, l_i, acc_lo, acc_hi, acc_min
 
 

@@ -159,10 +159,12 @@ def test_launch_methods_replace_fields_of_the_decode_launch(bk, monkeypatch):
                                                  "max_registers": 96}}
     assert bk.parse_launch_method("s4kv_saw_um=int4_saw:unmasked_full_tiles=true") == (
         "s4kv_saw_um", "int4_saw", {"unmasked_full_tiles": True})
+    assert bk.parse_launch_method("s4kv_kivi_2=int4_kivi:num_warps=2,max_registers=none") == (
+        "s4kv_kivi_2", "int4_kivi", {"num_warps": 2, "max_registers": None})
     for bad, message in (("saw_w96=int4_saw:max_registers=96", "expected s4kv_NAME"),
                          ("s4kv_saw=int4_saw:max_registers=96", "already a method"),
                          ("s4kv_x=int4_fp8:max_registers=96", "not one of"),
                          ("s4kv_x=int4_saw:registers=96", "LaunchConfig field"),
-                         ("s4kv_x=int4_saw:max_registers=many", "neither true, false nor an integer")):
+                         ("s4kv_x=int4_saw:max_registers=many", "neither true, false, none nor an integer")):
         with pytest.raises(ValueError, match=message):
             bk.parse_launch_method(bad)

@@ -146,7 +146,9 @@ def test_paired_parameter_loads_give_the_same_output(gen, kernel_device, head_di
     outputs = []
     for paired in (False, True):
         launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], ptx_unpack=kernel_device.type == "cuda",
-                                     paired_param_loads=paired)
+                                     paired_param_loads=paired,
+                                     subnormal_codes=(DECODE_LAUNCH[scheme.name].subnormal_codes
+                                                      and head_dim in SUBNORMAL_HEAD_DIMS))
         outputs.append(run_kernel(batch, cache, scheme, workspace, launch))
     assert_attention_close(outputs[1], run_reference(batch, cache, scheme), f"paired loads, head_dim {head_dim}")
     assert torch.equal(outputs[0], outputs[1])

@@ -22,12 +22,13 @@ def _logic(histogram: dict[str, int]) -> int:
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-side check: no device time for it")
 
 
-def sass_stats(tmp_path_factory, scheme_name: str, *launches: str, wide: bool = False) -> tuple[str, dict]:
+def sass_stats(tmp_path_factory, scheme_name: str, *launches: str, code_loads: str | None = None) -> tuple[str, dict]:
     """sass_stats' printed table and loop histograms (label -> mnemonic counts) of a scheme's decode with bf16
-    queries, for each code path: at its default launch, or at each of ``launches`` (TILExWARPSxSTAGES); ``wide``:
-    with the codes read two bytes per element."""
+    queries, for each code path: at its default launch, or at each of ``launches`` (TILExWARPSxSTAGES);
+    ``code_loads``: "bytes" or "wide" (codes read a byte or two bytes per element), None as the launch does."""
     tmp = tmp_path_factory.mktemp(f"sass-{scheme_name}")
-    launch_args = (("--launches", ",".join(launches)) if launches else ()) + (("--wide",) if wide else ())
+    launch_args = ((("--launches", ",".join(launches)) if launches else ())
+                   + (("--code-loads", code_loads) if code_loads else ()))
     result = run_compile_only_tool("sass_stats", "--schemes", scheme_name, "--dtypes", "bf16", *launch_args,
                                    "--json", str(tmp / "loops.json"), cache_dir=tmp / "triton-cache")
     assert result.returncode == 0, result.stderr[-6000:]
@@ -79,9 +80,14 @@ def test_ptx_unpack_halves_the_integer_logic(saw_loops):
 def committed_row(table: str, scheme_name: str) -> dict[str, str]:
     """The printed table's row of a scheme's committed decode launch (bf16 queries), by column, and its label."""
     from s4kv.kernels.attention import DECODE_LAUNCH
-    launch = DECODE_LAUNCH[scheme_name]
-    label = f"{scheme_name} bf16 {code_path_of(launch)} {launch.tile}x{launch.num_warps}x{launch.num_stages}"
+    label = f"{scheme_name} bf16 {code_path_of(DECODE_LAUNCH[scheme_name])} {launch_label(DECODE_LAUNCH[scheme_name])}"
     return {"label": label, **table_row(table, label)}
+
+
+def launch_label(launch) -> str:
+    """TILExWARPSxSTAGES and the loop options, as sass_stats labels a launch."""
+    return (f"{launch.tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
+            + (" wide" if launch.wide_code_loads else "") + (" unmasked" if launch.unmasked_full_tiles else ""))
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +106,10 @@ def test_kivi_decode_loop_has_no_synchronous_global_loads(kivi_decode):
     assert any(name.startswith("LDGSTS") for name in histogram)  # the loads are there, as asynchronous copies
 
 
-def test_kivi_decode_keeps_three_programs_per_sm(kivi_decode):
+def test_kivi_decode_keeps_four_programs_per_sm(kivi_decode):
     _, cells = kivi_decode
-    assert int(cells["registers"]) <= 168 and int(cells["spill bytes"]) == 0, cells
-    assert int(cells["warps per SM"]) == 12, cells
+    assert int(cells["registers"]) <= 128 and int(cells["spill bytes"]) == 0, cells
+    assert int(cells["warps per SM"]) == 16, cells
 
 
 def test_committed_decode_loops_overlap_their_loads_with_their_compute(kivi_decode, saw_stats):
@@ -124,15 +130,15 @@ def test_warp_split_loop_meets_only_for_the_pipeline(saw_stats):
 
     table, _ = saw_stats
     tiles, warps = DECODE_LAUNCH["int4_saw"], WARP_SPLIT_LAUNCH["int4_saw"]
-    tile_row = table_row(table, f"int4_saw bf16 {code_path_of(tiles)} {tiles.tile}x4x{tiles.num_stages}")
-    warp_row = table_row(table, f"int4_saw bf16 {code_path_of(warps)} {warps.tile}x4x{warps.num_stages} warp split")
+    tile_row = table_row(table, f"int4_saw bf16 {code_path_of(tiles)} {launch_label(tiles)}")
+    warp_row = table_row(table, f"int4_saw bf16 {code_path_of(warps)} {launch_label(warps)}")
     assert int(warp_row["CTA barriers per tile"]) <= 2 < int(tile_row["CTA barriers per tile"]), (tile_row, warp_row)
     assert int(warp_row["spill bytes"]) == 0 and warp_row["copy groups in flight at the wait"] not in ("0", "no wait")
 
 
 def test_copies_in_flight_reads_the_pipeline_depth(tmp_path_factory):
     """The column against what the stage count must give: none in flight at 3 stages, some at 5."""
-    table, _ = sass_stats(tmp_path_factory, "int4_kivi", "128x4x3", "128x4x5")
+    table, _ = sass_stats(tmp_path_factory, "int4_kivi", "128x4x3", "128x4x5", code_loads="bytes")
     in_flight = {stages: table_row(table, f"int4_kivi bf16 subnormal+ptx {stages}")["copy groups in flight at the wait"]
                  for stages in ("128x4x3", "128x4x5")}
     assert in_flight["128x4x3"] == "0" and int(in_flight["128x4x5"]) > 0, in_flight
@@ -141,14 +147,14 @@ def test_copies_in_flight_reads_the_pipeline_depth(tmp_path_factory):
 def test_int4_saw_rotates_q_in_a_short_prologue(kivi_decode, saw_stats):
     """A decode split at batch 1 holds one tile, so what a program runs before its first tile weighs as much as the
     loop. int4_saw's is q's rotation: built from one sign quadrant and two dots it stays within 3x int4_kivi's
-    prologue (no rotation) and under the tile loop's length; four generated quadrants and four dots made it 6x
-    (1,771 against 288 instructions) and longer than the loop."""
+    prologue (no rotation) and 1.5x the tile loop (which the wide subnormal loads took to about 700 instructions);
+    four generated quadrants and four dots made it 6x (1,771 against 288 instructions) and 1.6x the byte loop."""
     _, kivi_cells = kivi_decode
     saw_table, _ = saw_stats
     saw_cells = committed_row(saw_table, "int4_saw")
     saw_prologue = int(saw_cells["instructions before the first tile"])
     assert saw_prologue < 3 * int(kivi_cells["instructions before the first tile"]), (saw_cells, kivi_cells)
-    assert saw_prologue < int(saw_cells["total"]), saw_cells
+    assert saw_prologue < 1.5 * int(saw_cells["total"]), saw_cells
 
 
 def test_wide_code_loads_drop_the_operand_moves_and_the_byte_spreading(saw_stats, tmp_path_factory):
@@ -156,8 +162,8 @@ def test_wide_code_loads_drop_the_operand_moves_and_the_byte_spreading(saw_stats
     code path: the same tensor-core work, no PRMT spreading bytes over 16-bit lanes, a fraction of the register moves
     that fed q and P to the MMA (from 8-bit elements their fragments took four values per thread), a fifth fewer
     instructions, no more registers."""
-    table, loops = saw_stats
-    wide_table, wide_loops = sass_stats(tmp_path_factory, "int4_saw", wide=True)
+    wide_table, wide_loops = saw_stats
+    table, loops = sass_stats(tmp_path_factory, "int4_saw", "128x4x5", code_loads="bytes")
     for path in ("biased+ptx", "subnormal+ptx"):
         label = f"int4_saw bf16 {path} 128x4x5"
         narrow, wide = loops[label], wide_loops[f"{label} wide"]

@@ -350,7 +350,7 @@ DECODE_METHODS = {
 
 def parse_launch_method(spec: str) -> tuple[str, str, dict]:
     """``NAME=SCHEME:FIELD=VALUE,...`` -> (NAME, SCHEME, {field: value}): a decode method that times SCHEME's
-    DECODE_LAUNCH with those LaunchConfig fields replaced. VALUE is true, false or an integer."""
+    DECODE_LAUNCH with those LaunchConfig fields replaced. VALUE is true, false, none or an integer."""
     from s4kv.kernels.attention import DECODE_LAUNCH, LaunchConfig
 
     name, sep, rest = spec.partition("=")
@@ -372,8 +372,10 @@ def parse_launch_method(spec: str) -> tuple[str, str, dict]:
             options[field] = value == "true"
         elif value.isdigit():
             options[field] = int(value)
+        elif value == "none":  # max_registers: the compiler's choice
+            options[field] = None
         else:
-            raise ValueError(f"--launch {spec!r}: {field}={value!r} is neither true, false nor an integer")
+            raise ValueError(f"--launch {spec!r}: {field}={value!r} is neither true, false, none nor an integer")
     return name, scheme, options
 
 

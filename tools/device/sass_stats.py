@@ -211,20 +211,24 @@ def launch_label(launch: attention.LaunchConfig) -> str:
             + (" wide" if launch.wide_code_loads else "") + (" unmasked" if launch.unmasked_full_tiles else ""))
 
 
-def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], wide: bool = False,
+def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], code_loads: str | None = None,
              unmasked: bool = False):
     """(label, scheme, query dtype, launch) of every variant to compile: each launch (default: the scheme's decode
-    launches) with each code path, with ``wide`` its codes read two bytes per element and with ``unmasked`` the
-    tiles every row sees wholly run without the masks (both tile-loop options: no warp-split launch then)."""
+    launches) with each code path; ``code_loads`` "bytes" or "wide": its codes read a byte or two bytes per element
+    (None: as the launch does), ``unmasked``: the tiles every row sees wholly run without the masks (wide and
+    unmasked are tile-loop options: no warp-split launch then)."""
     for name in scheme_names:
         scheme = Int4Scheme(name)
-        for base in ([replace(parse_launch(text), **attention.kept_launch_options(name)) for text in launches]
-                     or attention.decode_launches(name)):
-            if wide or unmasked:
-                if base.warp_split:
-                    continue
-                base = replace(base, wide_code_loads=base.wide_code_loads or wide,
-                               unmasked_full_tiles=base.unmasked_full_tiles or unmasked)
+        kept = attention.kept_launch_options(name)
+        # the warp-split loop reads codes a byte at a time (wide_code_loads is a tile-loop option)
+        for base in ([replace(parse_launch(text), **kept, **({"wide_code_loads": False} if text.endswith("w") else {}))
+                      for text in launches] or attention.decode_launches(name)):
+            if code_loads is not None:
+                base = replace(base, wide_code_loads=code_loads == "wide")
+            if unmasked:
+                base = replace(base, unmasked_full_tiles=True)
+            if base.warp_split and (base.wide_code_loads or base.unmasked_full_tiles):
+                continue
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
                     yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)
@@ -236,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bf16,fp16")
     parser.add_argument("--launches", default="",
                         help="comma-separated TILExWARPSxSTAGES to compare (default: each scheme's DECODE_LAUNCH)")
-    parser.add_argument("--wide", action="store_true",
-                        help="read the codes two bytes per element (LaunchConfig.wide_code_loads; tile loop only)")
+    parser.add_argument("--code-loads", choices=("bytes", "wide"),
+                        help="read the codes a byte or two bytes per element (LaunchConfig.wide_code_loads; wide: "
+                             "tile loop only); default: as each launch does")
     parser.add_argument("--unmasked-full-tiles", action="store_true",
                         help="the tiles every row sees wholly without the masks (LaunchConfig.unmasked_full_tiles; "
                              "tile loop only)")
@@ -246,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, histograms = [], {}
     for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(","),
-                                                    [t for t in args.launches.split(",") if t], args.wide,
+                                                    [t for t in args.launches.split(",") if t], args.code_loads,
                                                     args.unmasked_full_tiles):
         print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
         kernel = compile_decode(scheme, q_dtype, launch)
