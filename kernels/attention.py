@@ -81,6 +81,11 @@ class LaunchConfig:
     # the own blocks, already whole, drops its masks). The decode loop is issue bound, and the masks cost selects
     # and compares in every tile; the price is the tail tile's loads, no longer prefetched during the tile before
     unmasked_full_tiles: bool = False
+    # a tile's two row sums (of P, and of P times the per-token value minimum) in one reduction. The tile's columns
+    # are spread over the program's warps, so every row reduction is a round trip through shared memory with its
+    # barriers: one instead of two takes the tile loop from 12 to 9 CTA barriers a tile (sm_90), the same
+    # instructions otherwise (tools/device/sass_stats.py)
+    joint_row_sums: bool = False
 
 
 # The ways codes become MMA operands, by name (LaunchConfig fields): what the GPU tests check and the tuning and
@@ -423,13 +428,13 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
                  BLOCK_Q: tl.constexpr, IS_KIVI: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
                  CODE_SCALE: tl.constexpr, IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr,
                  CODE_BIAS: tl.constexpr, HALF: tl.constexpr, PAIRED: tl.constexpr, WIDE: tl.constexpr,
-                 HIGH_PART_SCALE: tl.constexpr):
+                 HIGH_PART_SCALE: tl.constexpr, JOINT_SUMS: tl.constexpr):
     """One K/V tile into the online softmax (m_i, l_i) and the accumulators. TAIL: one of the program's last tiles,
     which may hold keys of a query's own block (int4_kivi reads them from the original keys) or keys some row may not
     see; FULL (never with TAIL): every live row sees every key of the tile, so it runs without the visibility and
     written-slot masks (LaunchConfig.unmasked_full_tiles). q_lo, q_hi: the query rows' halves (int4_kivi scales them
     per channel each block); qr_parts: int4_saw's rotated rows split as the codes are read (_query_parts; WIDE:
-    LaunchConfig.wide_code_loads)."""
+    LaunchConfig.wide_code_loads); JOINT_SUMS: LaunchConfig.joint_row_sums."""
     dt = q_lo.dtype
     layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
     layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
@@ -494,9 +499,11 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
         p_sv = tl.where(visible, p_sv, 0.0)
         p_mv = tl.where(visible, p_mv, 0.0)
     acc_lo, acc_hi = _accumulate_values(acc_lo * alpha[:, None], acc_hi * alpha[:, None], p_sv.to(dt), v_parts)
-    # both row sums in one reduction: a tile's columns are spread over the warps, so each reduction is a round trip
-    # through shared memory with its barriers (sm_90 decode: 9 barriers a tile instead of 12)
-    p_sum, pmv_sum = tl.reduce((p, p_mv), 1, _add_pairs)
+    if JOINT_SUMS:
+        p_sum, pmv_sum = tl.reduce((p, p_mv), 1, _add_pairs)
+    else:
+        p_sum = tl.sum(p, 1)
+        pmv_sum = tl.sum(p_mv, 1)
     l_i = l_i * alpha + p_sum
     acc_min = acc_min * alpha + pmv_sum
     return m_new, l_i, acc_lo, acc_hi, acc_min
@@ -585,7 +592,7 @@ def _paged_attention_kernel(
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
     PAIRED_PARAMS: tl.constexpr, WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     DECODE: tl.constexpr, WIDE_CODES: tl.constexpr, HIGH_PART_SCALE: tl.constexpr, LAUNCH_MERGE: tl.constexpr,
-    UNMASKED_FULL_TILES: tl.constexpr,
+    UNMASKED_FULL_TILES: tl.constexpr, JOINT_ROW_SUMS: tl.constexpr,
 ):
     if LAUNCH_MERGE:  # the merge (a dependent launch) may start once every split has: it waits for our partials
         gdc_launch_dependents()
@@ -674,7 +681,8 @@ def _paged_attention_kernel(
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                     False, UNMASKED_FULL_TILES, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE,
-                    IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE)
+                    IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE,
+                    JOINT_ROW_SUMS)
             # not pipelined: the tail is a tile or two per program (int4_saw's decode: at most one, in the last split).
             # Its first tile's loads start once the first loop is done, pipelined or not (as the last tile of one
             # loop they were prefetched during the tile before: what the split costs); a pipeline would overlap
@@ -687,7 +695,7 @@ def _paged_attention_kernel(
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                     True, False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE)
+                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE, JOINT_ROW_SUMS)
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * (CODE_SCALE * HIGH_PART_SCALE) + acc_min[:, None]
 
@@ -918,6 +926,9 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     if launch.warp_split and launch.wide_code_loads:
         raise ValueError("LaunchConfig.wide_code_loads is a tile-loop option: the warp-split loop reads codes a byte "
                          "at a time")
+    if launch.warp_split and launch.joint_row_sums:
+        raise ValueError("LaunchConfig.joint_row_sums is a tile-loop option: the warp-split loop sums each warp's rows "
+                         "in registers")
     if launch.warp_split and launch.unmasked_full_tiles:
         raise ValueError("LaunchConfig.unmasked_full_tiles is a tile-loop option: the warp-split loop masks every "
                          "tile")
@@ -959,7 +970,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         PAIRED_PARAMS=launch.paired_param_loads, WARP_SPLIT=launch.warp_split, WARPS=launch.num_warps,
         MIN_SPLIT_TILES=plan.min_split_tiles, DECODE=decode, WIDE_CODES=launch.wide_code_loads,
         HIGH_PART_SCALE=_high_part_scale(launch, query.dtype), LAUNCH_MERGE=dependent_merge,
-        UNMASKED_FULL_TILES=launch.unmasked_full_tiles,
+        UNMASKED_FULL_TILES=launch.unmasked_full_tiles, JOINT_ROW_SUMS=launch.joint_row_sums,
         **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **compiler_options,
     )

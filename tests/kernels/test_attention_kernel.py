@@ -213,6 +213,30 @@ def test_wide_code_loads_match_the_reference(gen, kernel_device, scheme_name, he
                            f"{scheme_name} wide {code_path} codes head_dim {head_dim}")
 
 
+@pytest.mark.parametrize("specs,num_splits", [(MIXED, None), (DECODE, 4)], ids=["mixed", "decode-split"])
+@pytest.mark.parametrize("scheme_name,head_dim", [("saw128", 128), ("saw64-rotv", 64)])
+def test_joint_row_sums_match_the_reference(gen, kernel_device, scheme_name, head_dim, specs, num_splits):
+    """A tile's row sums in one reduction (LaunchConfig.joint_row_sums): GQA 7 (dead rows in every program),
+    prefill, chunks and split decode, at the scheme's launches with the device's code path."""
+    scheme = SCHEMES[scheme_name]
+    num_q_heads, num_kv_heads = heads_for(7)
+    batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
+                             device=kernel_device, num_padding=1, head_dim=head_dim)
+    cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    decode = batch.max_query_len == 1
+    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name] if decode else PREFILL_LAUNCH, joint_row_sums=True,
+                                 ptx_unpack=kernel_device.type == "cuda",
+                                 subnormal_codes=decode and kernel_device.type == "cuda" and head_dim == 128)
+    workspace = None
+    if num_splits:
+        workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
+                                            max_num_seqs=len(specs), num_splits=num_splits)
+        workspace.part_acc.fill_(float("nan"))
+    assert_attention_close(run_kernel(batch, cache, scheme, workspace, launch), run_reference(batch, cache, scheme),
+                           f"{scheme_name} joint row sums, head_dim {head_dim}, splits {num_splits}")
+
+
 @pytest.mark.parametrize("wide", [False, True], ids=["byte-codes", "wide-codes"])
 @pytest.mark.parametrize("specs,tile,num_splits", [(STRADDLING, None, None), (DECODE, 128, None), (DECODE, 128, 4),
                                                    (DECODE, 64, 8)],
@@ -274,23 +298,14 @@ def test_dependent_merge_is_refused_by_the_interpreter():
                         torch.empty_like(q), workspace=workspace, launch=launch)
 
 
-def test_wide_code_loads_are_refused_with_the_warp_split_loop():
-    """The warp-split loop reads codes a byte at a time: asking for both is an error, never one of them silently."""
+@pytest.mark.parametrize("option", ["wide_code_loads", "unmasked_full_tiles", "joint_row_sums"])
+def test_tile_loop_options_are_refused_with_the_warp_split_loop(option):
+    """The warp-split loop reads codes a byte at a time, masks every tile and sums each warp's rows in registers:
+    asking for it with a tile-loop option is an error, never one of them silently."""
     scheme = SCHEMES["saw128"]
     q = torch.zeros(1, 8, 128, dtype=torch.float16)
-    launch = dataclasses.replace(WARP_SPLIT_LAUNCH[scheme.name], ptx_unpack=False, wide_code_loads=True)
-    with pytest.raises(ValueError, match="wide_code_loads is a tile-loop option"):
-        paged_attention(q, torch.zeros(2, 2, 136 * 128, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.int32),
-                        torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.1, scheme,
-                        torch.empty_like(q), launch=launch)
-
-
-def test_unmasked_full_tiles_are_refused_with_the_warp_split_loop():
-    """The warp-split loop masks every tile: asking for it with unmasked full tiles is an error."""
-    scheme = SCHEMES["saw128"]
-    q = torch.zeros(1, 8, 128, dtype=torch.float16)
-    launch = dataclasses.replace(WARP_SPLIT_LAUNCH[scheme.name], ptx_unpack=False, unmasked_full_tiles=True)
-    with pytest.raises(ValueError, match="unmasked_full_tiles is a tile-loop option"):
+    launch = dataclasses.replace(WARP_SPLIT_LAUNCH[scheme.name], ptx_unpack=False, **{option: True})
+    with pytest.raises(ValueError, match=f"{option} is a tile-loop option"):
         paged_attention(q, torch.zeros(2, 2, 136 * 128, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.int32),
                         torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.1, scheme,
                         torch.empty_like(q), launch=launch)

@@ -24,9 +24,9 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     # 1; at head_dim 64 the default code path only: attention 3, merge 1, store 1, dense 1; and per head_dim and
     # dtype, KIVI's store with its staging pool also closes over every row and stages (1 + 1), a second store closes
     # over listed rows (store 1, close 1), and its own-key gather (1); per int4_saw scheme, head_dim and dtype the
-    # warp-split decode (attention and merge, 8 each); per scheme, head_dim and dtype the split decode with its codes
-    # read two bytes per element, a dependent merge and unmasked full tiles (attention and merge, 12 each), and the
-    # prefill with unmasked full tiles (attention 12)
+    # warp-split decode (attention and merge, 8 each); per scheme, head_dim and dtype the split decode with a
+    # dependent merge, unmasked full tiles and joint row sums (attention and merge, 12 each), and the prefill with
+    # unmasked full tiles (attention 12)
     assert launches == {"_paged_attention_kernel": 72 + 18 + 8 + 12 + 12, "_merge_splits_kernel": 24 + 6 + 8 + 12,
                         "_store_per_token_kernel": 12 + 4, "_kivi_close_kernel": 4 + 4,
                         "_kivi_stage_kernel": 4, "_gather_dense_kernel": 6 + 6,
@@ -37,3 +37,5 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     assert dependent == {"_paged_attention_kernel": 12, "_merge_splits_kernel": 12}, dependent
     unmasked = Counter(line.split(":")[0] for line in result.stdout.splitlines() if "UNMASKED_FULL_TILES=True" in line)
     assert unmasked == {"_paged_attention_kernel": 24}, unmasked
+    joint = Counter(line.split(":")[0] for line in result.stdout.splitlines() if "JOINT_ROW_SUMS=True" in line)
+    assert joint == {"_paged_attention_kernel": 12}, joint

@@ -103,6 +103,22 @@ def test_wide_code_loads_follow_the_rule(gen, kernel_device, specs, head_dim, co
                         f"wide {code_path} head_dim {head_dim}")
 
 
+@pytest.mark.parametrize("specs,head_dim", [(CHUNKS, 128), (DECODE, 128), (DECODE, 64)],
+                         ids=["chunks", "decode-split", "decode-split-64"])
+def test_joint_row_sums_follow_the_rule(gen, kernel_device, specs, head_dim):
+    """A tile's row sums in one reduction (LaunchConfig.joint_row_sums), on closed and own-block tiles, at the
+    scheme's launches with the device's code path."""
+    batch, cache, pool = stored_step(gen, specs, head_dim, kernel_device)
+    decode = batch.max_query_len == 1
+    launch = dataclasses.replace(DECODE_LAUNCH[KIVI.name] if decode else PREFILL_LAUNCH, joint_row_sums=True,
+                                 ptx_unpack=kernel_device.type == "cuda",
+                                 subnormal_codes=decode and kernel_device.type == "cuda" and head_dim == 128)
+    workspace = SplitWorkspace.allocate(4, 2, head_dim, kernel_device, num_splits=8) if decode else None
+    expected = batch_rule_attention(batch, SOFTMAX_SCALE, KIVI)
+    assert_matches_rule(attend(batch, cache, pool, workspace=workspace, launch=launch), expected,
+                        f"joint row sums head_dim {head_dim}")
+
+
 @pytest.mark.parametrize("wide", [False, True], ids=["byte-codes", "wide-codes"])
 @pytest.mark.parametrize("specs,head_dim,tile,num_splits", [(CHUNKS, 128, None, None), (DECODE, 128, 128, None),
                                                             (DECODE, 128, 128, 8), (DECODE, 64, 64, 4)],

@@ -22,14 +22,16 @@ def _logic(histogram: dict[str, int]) -> int:
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-side check: no device time for it")
 
 
-def sass_stats(tmp_path_factory, scheme_name: str, *launches: str, code_loads: str | None = None) -> tuple[str, dict]:
+def sass_stats(tmp_path_factory, scheme_name: str, *launches: str, code_loads: str | None = None,
+               options: tuple[str, ...] = ()) -> tuple[str, dict]:
     """sass_stats' printed table and loop histograms (label -> mnemonic counts) of a scheme's decode with bf16
     queries, for each code path: at its default launch, or at each of ``launches`` (TILExWARPSxSTAGES);
-    ``code_loads``: "bytes" or "wide" (codes read a byte or two bytes per element), None as the launch does."""
+    ``code_loads``: "bytes" or "wide" (codes read a byte or two bytes per element), None as the launch does;
+    ``options``: more sass_stats flags (e.g. --joint-row-sums)."""
     tmp = tmp_path_factory.mktemp(f"sass-{scheme_name}")
     launch_args = ((("--launches", ",".join(launches)) if launches else ())
                    + (("--code-loads", code_loads) if code_loads else ()))
-    result = run_compile_only_tool("sass_stats", "--schemes", scheme_name, "--dtypes", "bf16", *launch_args,
+    result = run_compile_only_tool("sass_stats", "--schemes", scheme_name, "--dtypes", "bf16", *launch_args, *options,
                                    "--json", str(tmp / "loops.json"), cache_dir=tmp / "triton-cache")
     assert result.returncode == 0, result.stderr[-6000:]
     return result.stdout, json.loads((tmp / "loops.json").read_text())
@@ -87,7 +89,8 @@ def committed_row(table: str, scheme_name: str) -> dict[str, str]:
 def launch_label(launch) -> str:
     """TILExWARPSxSTAGES and the loop options, as sass_stats labels a launch."""
     return (f"{launch.tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
-            + (" wide" if launch.wide_code_loads else "") + (" unmasked" if launch.unmasked_full_tiles else ""))
+            + (" wide" if launch.wide_code_loads else "") + (" unmasked" if launch.unmasked_full_tiles else "")
+            + (" joint sums" if launch.joint_row_sums else ""))
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +180,17 @@ def test_wide_code_loads_drop_the_operand_moves_and_the_byte_spreading(saw_stats
         assert sum(wide.values()) < 0.85 * sum(narrow.values()), (path, sum(narrow.values()), sum(wide.values()))
         narrow_row, wide_row = table_row(table, label), table_row(wide_table, f"{label} wide")
         assert int(wide_row["registers"]) <= int(narrow_row["registers"]) and wide_row["spill bytes"] == "0"
+
+
+def test_joint_row_sums_take_a_reduction_round_trip_out_of_the_tile(saw_stats, tmp_path_factory):
+    """A tile's two row sums in one reduction (LaunchConfig.joint_row_sums): the same tensor-core work and about the
+    same instructions, three CTA barriers a tile fewer (each cross-warp reduction is a shared-memory round trip)."""
+    table, loops = saw_stats
+    joint_table, joint_loops = sass_stats(tmp_path_factory, "int4_saw", options=("--joint-row-sums",))
+    for path in ("biased+ptx", "subnormal+ptx"):
+        label = f"int4_saw bf16 {path} 128x4x5 wide"
+        row, joint_row = table_row(table, label), table_row(joint_table, f"{label} joint sums")
+        assert int(joint_row["CTA barriers per tile"]) == int(row["CTA barriers per tile"]) - 3, (row, joint_row)
+        plain, joint = loops[label], joint_loops[f"{label} joint sums"]
+        assert sum(joint.values()) <= 1.01 * sum(plain.values()), (path, sum(plain.values()), sum(joint.values()))
+        assert joint_row["spill bytes"] == "0"

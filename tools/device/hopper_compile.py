@@ -129,17 +129,18 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             prefill_qsl = torch.tensor([0, 3, 20], dtype=torch.int32)
             attention.paged_attention(q, cache, block_table, seq_lens, prefill_qsl, 17, 0.1, scheme,
                                       torch.empty_like(q), workspace=workspace, launch=prefill_launch, **own_block)
-        # the decode launch with its codes read two bytes per element, the merge a dependent launch and the tiles
-        # every row sees wholly unmasked (LaunchConfig.wide_code_loads, dependent_merge, unmasked_full_tiles)
-        wide = replace(attention.DECODE_LAUNCH[scheme.name], wide_code_loads=True, dependent_merge=True,
-                       unmasked_full_tiles=True, subnormal_codes=attention.DECODE_LAUNCH[scheme.name].subnormal_codes
-                       and head_dim in attention.SUBNORMAL_HEAD_DIMS)
+        # the decode launch with the merge a dependent launch, the tiles every row sees wholly unmasked and a tile's
+        # row sums in one reduction (LaunchConfig.dependent_merge, unmasked_full_tiles, joint_row_sums)
+        optioned = replace(attention.DECODE_LAUNCH[scheme.name], dependent_merge=True, unmasked_full_tiles=True,
+                           joint_row_sums=True,
+                           subnormal_codes=attention.DECODE_LAUNCH[scheme.name].subnormal_codes
+                           and head_dim in attention.SUBNORMAL_HEAD_DIMS)
         q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype)
         attention.paged_attention(q, cache, block_table, seq_lens, torch.arange(num_seqs + 1, dtype=torch.int32), 1,
                                   0.1, scheme, torch.empty_like(q),
                                   workspace=attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim,
                                                                               "cpu", scheme.name),
-                                  launch=wide, **own_block)
+                                  launch=optioned, **own_block)
         # prefill with the tiles every row of a query tile sees wholly unmasked (LaunchConfig.unmasked_full_tiles)
         q = torch.zeros(20, num_q_heads, head_dim, dtype=dtype)
         attention.paged_attention(q, cache, block_table, seq_lens, torch.tensor([0, 3, 20], dtype=torch.int32), 17,

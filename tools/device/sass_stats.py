@@ -16,6 +16,7 @@ half of them the profile measured. Above that bandwidth the instruction count, n
     python tools/device/sass_stats.py                        # every decode launch of both schemes, bf16 and fp16
     python tools/device/sass_stats.py --wide                 # the same with codes read two bytes per element
     python tools/device/sass_stats.py --unmasked-full-tiles  # the same with the wholly seen tiles unmasked
+    python tools/device/sass_stats.py --joint-row-sums     # the same with a tile's row sums in one reduction
     python tools/device/sass_stats.py --json out.json        # also each loop's histogram of instructions (mnemonics)
 
 Counts are static: one pass through the first tile loop (in int4_kivi the tiles before a program's own block, keys
@@ -208,15 +209,17 @@ def launch_label(launch: attention.LaunchConfig) -> str:
     """TILExWARPSxSTAGES of a decode launch as the table names it, with " warp split" for that loop."""
     tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
     return (f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
-            + (" wide" if launch.wide_code_loads else "") + (" unmasked" if launch.unmasked_full_tiles else ""))
+            + (" wide" if launch.wide_code_loads else "") + (" unmasked" if launch.unmasked_full_tiles else "")
+            + (" joint sums" if launch.joint_row_sums else ""))
 
 
 def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], code_loads: str | None = None,
-             unmasked: bool = False):
+             unmasked: bool = False, joint_sums: bool = False):
     """(label, scheme, query dtype, launch) of every variant to compile: each launch (default: the scheme's decode
     launches) with each code path; ``code_loads`` "bytes" or "wide": its codes read a byte or two bytes per element
-    (None: as the launch does), ``unmasked``: the tiles every row sees wholly run without the masks (wide and
-    unmasked are tile-loop options: no warp-split launch then)."""
+    (None: as the launch does), ``unmasked``: the tiles every row sees wholly run without the masks,
+    ``joint_sums``: a tile's row sums in one reduction (wide, unmasked and joint sums are tile-loop options: no
+    warp-split launch then)."""
     for name in scheme_names:
         scheme = Int4Scheme(name)
         kept = attention.kept_launch_options(name)
@@ -227,7 +230,9 @@ def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], co
                 base = replace(base, wide_code_loads=code_loads == "wide")
             if unmasked:
                 base = replace(base, unmasked_full_tiles=True)
-            if base.warp_split and (base.wide_code_loads or base.unmasked_full_tiles):
+            if joint_sums:
+                base = replace(base, joint_row_sums=True)
+            if base.warp_split and (base.wide_code_loads or base.unmasked_full_tiles or base.joint_row_sums):
                 continue
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
@@ -246,13 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unmasked-full-tiles", action="store_true",
                         help="the tiles every row sees wholly without the masks (LaunchConfig.unmasked_full_tiles; "
                              "tile loop only)")
+    parser.add_argument("--joint-row-sums", action="store_true",
+                        help="a tile's two row sums in one reduction (LaunchConfig.joint_row_sums; tile loop only)")
     parser.add_argument("--json", type=Path, help="also write every variant's loop histogram (mnemonics) here")
     args = parser.parse_args(argv)
 
     rows, histograms = [], {}
     for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(","),
                                                     [t for t in args.launches.split(",") if t], args.code_loads,
-                                                    args.unmasked_full_tiles):
+                                                    args.unmasked_full_tiles, args.joint_row_sums):
         print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
         kernel = compile_decode(scheme, q_dtype, launch)
         prologue, loop = hottest_loop(*disassemble(kernel.cubin))
