@@ -193,48 +193,41 @@ def test_wide_code_loads_match_the_reference(gen, kernel_device, scheme_name, he
     """Codes read two bytes per element (LaunchConfig.wide_code_loads: keys as four channel quarters, values as the
     even and odd tokens of a tile): the same attention as the reference with every code path, prefill and split
     decode, GQA 7 (int4_kivi's per-channel keys: test_own_block_attention)."""
-    scheme = SCHEMES[scheme_name]
+    if CODE_PATHS[code_path]["subnormal_codes"] and head_dim not in SUBNORMAL_HEAD_DIMS:
+        pytest.skip(f"the subnormal path is refused at head_dim {head_dim}")
+    assert_launch_matches_reference(gen, kernel_device, SCHEMES[scheme_name], specs, head_dim,
+                                     dict(CODE_PATHS[code_path], wide_code_loads=True),
+                                     f"{scheme_name} wide {code_path} codes head_dim {head_dim}")
+
+
+@pytest.mark.parametrize("specs", [MIXED, DECODE], ids=["mixed", "decode-split"])
+@pytest.mark.parametrize("scheme_name,head_dim", [("saw128", 128), ("saw64-rotv", 64)])
+def test_joint_row_sums_match_the_reference(gen, kernel_device, scheme_name, head_dim, specs):
+    """A tile's row sums in one reduction (LaunchConfig.joint_row_sums): GQA 7 (dead rows in every program),
+    prefill, chunks and split decode; subnormal codes where the head_dim allows them, the PTX unpack on the GPU."""
+    assert_launch_matches_reference(gen, kernel_device, SCHEMES[scheme_name], specs, head_dim,
+                                    dict(joint_row_sums=True, ptx_unpack=kernel_device.type == "cuda",
+                                         subnormal_codes=head_dim in SUBNORMAL_HEAD_DIMS),
+                                    f"{scheme_name} joint row sums, head_dim {head_dim}")
+
+
+def assert_launch_matches_reference(gen, kernel_device, scheme, specs, head_dim, options: dict, what: str) -> None:
+    """Attention over ``specs`` at GQA 7 (dead rows in every program) against the reference: the scheme's decode
+    launch (split in 4, NaN-poisoned partials) or the prefill launch, with ``options`` (LaunchConfig fields)."""
     num_q_heads, num_kv_heads = heads_for(7)
     batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
                              device=kernel_device, num_padding=1, head_dim=head_dim)
     cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
     ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
     decode = batch.max_query_len == 1
-    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name] if decode else PREFILL_LAUNCH, **CODE_PATHS[code_path],
-                                 wide_code_loads=True)
-    if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
-        pytest.skip(f"the subnormal path is refused at head_dim {head_dim}")
+    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name] if decode else PREFILL_LAUNCH, **options)
     workspace = None
     if decode:
         workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
-                                            max_num_seqs=len(DECODE), num_splits=4)
+                                            max_num_seqs=len(specs), num_splits=4)
         workspace.part_acc.fill_(float("nan"))
     assert_attention_close(run_kernel(batch, cache, scheme, workspace, launch), run_reference(batch, cache, scheme),
-                           f"{scheme_name} wide {code_path} codes head_dim {head_dim}")
-
-
-@pytest.mark.parametrize("specs,num_splits", [(MIXED, None), (DECODE, 4)], ids=["mixed", "decode-split"])
-@pytest.mark.parametrize("scheme_name,head_dim", [("saw128", 128), ("saw64-rotv", 64)])
-def test_joint_row_sums_match_the_reference(gen, kernel_device, scheme_name, head_dim, specs, num_splits):
-    """A tile's row sums in one reduction (LaunchConfig.joint_row_sums): GQA 7 (dead rows in every program),
-    prefill, chunks and split decode, at the scheme's launches with the device's code path."""
-    scheme = SCHEMES[scheme_name]
-    num_q_heads, num_kv_heads = heads_for(7)
-    batch = make_paged_batch(gen, specs, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
-                             device=kernel_device, num_padding=1, head_dim=head_dim)
-    cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    decode = batch.max_query_len == 1
-    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name] if decode else PREFILL_LAUNCH, joint_row_sums=True,
-                                 ptx_unpack=kernel_device.type == "cuda",
-                                 subnormal_codes=decode and kernel_device.type == "cuda" and head_dim == 128)
-    workspace = None
-    if num_splits:
-        workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
-                                            max_num_seqs=len(specs), num_splits=num_splits)
-        workspace.part_acc.fill_(float("nan"))
-    assert_attention_close(run_kernel(batch, cache, scheme, workspace, launch), run_reference(batch, cache, scheme),
-                           f"{scheme_name} joint row sums, head_dim {head_dim}, splits {num_splits}")
+                           what)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["byte-codes", "wide-codes"])
