@@ -923,15 +923,11 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         raise ValueError(f"LaunchConfig.warp_split is a decode launch for keys per token (int4_saw) with at least 16 "
                          f"tokens per warp, got {scheme.name}, max_query_len {max_query_len}, a {tile}-token tile "
                          f"over {launch.num_warps} warps")
-    if launch.warp_split and launch.wide_code_loads:
-        raise ValueError("LaunchConfig.wide_code_loads is a tile-loop option: the warp-split loop reads codes a byte "
-                         "at a time")
-    if launch.warp_split and launch.joint_row_sums:
-        raise ValueError("LaunchConfig.joint_row_sums is a tile-loop option: the warp-split loop sums each warp's rows "
-                         "in registers")
-    if launch.warp_split and launch.unmasked_full_tiles:
-        raise ValueError("LaunchConfig.unmasked_full_tiles is a tile-loop option: the warp-split loop masks every "
-                         "tile")
+    for option, warp_loop in (("wide_code_loads", "reads codes a byte at a time"),
+                              ("unmasked_full_tiles", "masks every tile"),
+                              ("joint_row_sums", "sums each warp's rows in registers")):
+        if launch.warp_split and getattr(launch, option):
+            raise ValueError(f"LaunchConfig.{option} is a tile-loop option: the warp-split loop {warp_loop}")
     if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
         if not default_launch:
             raise ValueError(f"LaunchConfig.subnormal_codes is validated on the GPU at head_dim "
