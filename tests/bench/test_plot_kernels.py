@@ -36,3 +36,19 @@ def test_a_failed_method_leaves_a_gap_not_a_bar(pk, tmp_path):
     source.write_text(json.dumps(results))
     assert pk.main([str(source), "--out", str(tmp_path / "kernels.png")]) == 0
     assert (tmp_path / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_methods_picks_and_orders_the_bars(pk, tmp_path, capsys):
+    """--methods plots only those methods, in that order; a name not in the results, or a list without FA3 (every
+    bar's reference), is an error that says so."""
+    results = json.loads(RESULTS.read_text())
+    source = tmp_path / "kernels.json"
+    source.write_text(json.dumps(results))
+    out = tmp_path / "two.svg"
+    assert pk.main([str(source), "--methods", "s4kv_saw,fa3_bf16", "--out", str(out)]) == 0
+    svg = out.read_text()  # the legend's labels, as SVG comments, in plotting order
+    assert "s4kv_kivi" not in svg and -1 < svg.index("<!-- s4kv_saw -->") < svg.index("<!-- fa3_bf16 -->")
+    for bad, message in (("fa3_bf16,s4kv_nope", "s4kv_nope not in"), ("s4kv_saw", "fa3_bf16 is the reference")):
+        with pytest.raises(SystemExit):
+            pk.main([str(source), "--methods", bad, "--out", str(tmp_path / "bad.svg")])
+        assert message in capsys.readouterr().err

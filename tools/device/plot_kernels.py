@@ -2,6 +2,7 @@
 
     python tools/device/plot_kernels.py docs/archive/2026-11-30-h200-s2/call1_kernels.json --out kernels.svg
     python -m tools.device.plot_kernels --sweep docs/archive/2026-12-04-h200-s2/3_sweep_splits.json --out decode.svg
+    python tools/device/plot_kernels.py kernels.json --methods fa3_bf16,s4kv_kivi,s4kv_saw --out three.svg
 
 With --sweep, the input is a split sweep (tools/device/sweep_splits.py) and each scheme is plotted at the candidate
 the committed DECODE_SPLITS picks per case.
@@ -49,13 +50,14 @@ def plot(results: dict, out: Path, title: str) -> None:
     labels, speed, gbps = decode_series(results)
     methods = list(speed)
     width = 0.8 / len(methods)
+    colors = plt.get_cmap("tab20" if len(methods) > 10 else "tab10").colors  # a color per method
     # one panel above the other, as wide as the shapes need (a split sweep has 48)
     fig, (left, right) = plt.subplots(2, 1, figsize=(max(10.0, 0.3 * len(labels)), 9))
     for i, method in enumerate(methods):
         xs = [x + (i - (len(methods) - 1) / 2) * width for x in range(len(labels))]
         for axis, values in ((left, speed[method]), (right, gbps[method])):
             axis.bar([x for x, v in zip(xs, values) if v is not None], [v for v in values if v is not None],
-                     width, label=method)
+                     width, label=method, color=colors[i % len(colors)])
     left.axhline(1.0, color="black", linewidth=0.8)
     left.set_ylabel("FA3 time / time (higher is faster)")
     ceiling = results.get("meta", {}).get("copy_gbps")
@@ -76,9 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", type=Path, help="kernels.json from tools/device/bench_kernels.py")
     parser.add_argument("--sweep", action="store_true",
                         help="results is sweep_splits.json: plot each scheme at the committed rule's candidate")
+    parser.add_argument("--methods", help="comma list of the methods to plot, in this order (default: all)")
     parser.add_argument("--out", type=Path, required=True, help="image to write (.svg or .png)")
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
+    if args.methods:
+        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+        missing = sorted(set(wanted) - {r["method"] for r in results["decode"]})
+        if missing or "fa3_bf16" not in wanted:
+            parser.error(f"--methods: {', '.join(missing)} not in {args.results}" if missing
+                         else "--methods: fa3_bf16 is the reference every bar is measured against")
+        results = {**results, "decode": sorted((r for r in results["decode"] if r["method"] in wanted),
+                                               key=lambda r: wanted.index(r["method"]))}
     if args.sweep:
         from tools.device.sweep_splits import committed_rows
 
