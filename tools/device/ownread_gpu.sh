@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The read rule on the lent H200 in one call (under 8 minutes): its GPU tests (with the rotation's, the wide code
-# loads' and the dependent merge's), then decode attention timed against FA3 bf16 in the same run (the rule must cost
+# The read rule on the lent H200 in one call (under 8 minutes): its GPU tests (with the launch options', the CUDA-graph
+# replay's and the rotation's), then decode attention timed against FA3 bf16 in the same run (the rule must cost
 # no decode speed; LAUNCHES adds DECODE_LAUNCH variants), then the FlashAttention prefill (both schemes' gather + FA
 # pass against FA3 bf16) at 8k and 32k. Each part is bounded and prints its bound (TEST_S, DECODE_S, PREFILL_S).
 # device run, carry [".vlb"], timeout_s 600:  bash tools/device/ownread_gpu.sh
@@ -13,10 +13,15 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 
 TEST_S=${TEST_S:-140}
 echo "== GPU tests of the read rule, bounded to ${TEST_S}s, at ${SECONDS}s"
-timeout "$TEST_S" python3 -m pytest tests/kernels/test_own_block_gpu.py tests/kernels/test_own_block_attention.py \
-  tests/kernels/test_own_block_prefill.py tests/kernels/test_rotation_kernel.py \
+# the launch options' tests first (each compiles a few kernels), then the read rule's (many compiles)
+timeout "$TEST_S" python3 -m pytest \
   "tests/kernels/test_attention_kernel.py::test_wide_code_loads_match_the_reference" \
+  "tests/kernels/test_attention_kernel.py::test_joint_row_sums_match_the_reference" \
+  "tests/kernels/test_attention_kernel.py::test_unmasked_full_tiles_match_the_reference" \
   "tests/kernels/test_gpu_kernels.py::test_dependent_merge_matches_the_merge_after_the_splits" \
+  "tests/kernels/test_gpu_kernels.py::test_cuda_graph_replay_of_store_and_attention_matches_eager" \
+  tests/kernels/test_own_block_gpu.py tests/kernels/test_rotation_kernel.py tests/kernels/test_own_block_attention.py \
+  tests/kernels/test_own_block_prefill.py \
   -rA -q -p no:cacheprovider --durations=8 > "$OUT/ownread_tests.log" 2>&1
 echo "tests exit $? (124 = hit the bound)"
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ownread_tests.log" | tail -40
