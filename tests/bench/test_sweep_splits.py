@@ -149,6 +149,9 @@ def test_committed_rows_keep_fa3_and_the_rules_candidate_per_scheme(tmp_path):
     source.write_text(json.dumps(measured))
     assert plot_kernels.main([str(source), "--sweep", "--out", str(tmp_path / "decode.png")]) == 0
     assert (tmp_path / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --methods picks among the rows the sweep's conversion gives
+    assert plot_kernels.main([str(source), "--sweep", "--methods", "fa3_bf16,int4_saw",
+                              "--out", str(tmp_path / "saw.png")]) == 0
 
 
 def test_committed_rows_prefer_the_timed_committed_plan():

@@ -14,6 +14,8 @@ import pytest
 import torch
 from repo_tools import code_path_of, run_compile_only_tool
 
+from tools.device.sass_stats import launch_label
+
 
 def _logic(histogram: dict[str, int]) -> int:
     return sum(n for name, n in histogram.items() if name.split(".")[0] in ("LOP3", "PRMT", "SHF"))
@@ -85,12 +87,6 @@ def committed_row(table: str, scheme_name: str) -> dict[str, str]:
     label = f"{scheme_name} bf16 {code_path_of(DECODE_LAUNCH[scheme_name])} {launch_label(DECODE_LAUNCH[scheme_name])}"
     return {"label": label, **table_row(table, label)}
 
-
-def launch_label(launch) -> str:
-    """TILExWARPSxSTAGES and the loop options, as sass_stats labels a launch."""
-    return (f"{launch.tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
-            + (" wide" if launch.wide_code_loads else "") + (" unmasked" if launch.unmasked_full_tiles else "")
-            + (" joint sums" if launch.joint_row_sums else ""))
 
 
 @pytest.fixture(scope="module")

@@ -82,14 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="image to write (.svg or .png)")
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
-    if args.methods:
-        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-        missing = sorted(set(wanted) - {r["method"] for r in results["decode"]})
-        if missing or "fa3_bf16" not in wanted:
-            parser.error(f"--methods: {', '.join(missing)} not in {args.results}" if missing
-                         else "--methods: fa3_bf16 is the reference every bar is measured against")
-        results = {**results, "decode": sorted((r for r in results["decode"] if r["method"] in wanted),
-                                               key=lambda r: wanted.index(r["method"]))}
     if args.sweep:
         from tools.device.sweep_splits import committed_rows
 
@@ -99,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         meta = results.get("meta", {})
         when = meta.get("date", "")[:16].replace("T", " ")
         title = f"Decode attention per layer, {meta.get('gpu', 'GPU')}" + (f", {when} UTC" if when else "")
+    if args.methods:  # after --sweep's conversion: both then hold decode rows
+        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+        missing = sorted(set(wanted) - {r["method"] for r in results["decode"]})
+        if missing or "fa3_bf16" not in wanted:
+            parser.error(f"--methods: {', '.join(missing)} not in {args.results}" if missing
+                         else "--methods: fa3_bf16 is the reference every bar is measured against")
+        results = {**results, "decode": sorted((r for r in results["decode"] if r["method"] in wanted),
+                                               key=lambda r: wanted.index(r["method"]))}
     plot(results, args.out, title)
     print(f"[plot_kernels] wrote {args.out}")
     return 0

@@ -14,7 +14,7 @@ code into a bandwidth: the TB/s of cache bytes at which the loop would take ever
 half of them the profile measured. Above that bandwidth the instruction count, not the memory, is the limit.
 
     python tools/device/sass_stats.py                        # every decode launch of both schemes, bf16 and fp16
-    python tools/device/sass_stats.py --wide                 # the same with codes read two bytes per element
+    python tools/device/sass_stats.py --code-loads bytes     # the same with codes read a byte per element
     python tools/device/sass_stats.py --unmasked-full-tiles  # the same with the wholly seen tiles unmasked
     python tools/device/sass_stats.py --joint-row-sums     # the same with a tile's row sums in one reduction
     python tools/device/sass_stats.py --json out.json        # also each loop's histogram of instructions (mnemonics)
