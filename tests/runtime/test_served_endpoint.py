@@ -307,11 +307,24 @@ def server_errors(server: Server) -> float:
 
 
 # ------------------------------------------------------------------------------------------ engine death
+def engine_cores(server_pid: int) -> list:
+    """The server's engine-core processes (multiprocessing spawns them). A child that exits while it is listed (a
+    short-lived helper, or a zombie not yet reaped) has no command line to read and is no engine core."""
+    cores = []
+    for child in psutil.Process(server_pid).children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                cores.append(child)
+        except psutil.NoSuchProcess:  # ZombieProcess is one
+            continue
+    return cores
+
+
 def test_engine_death_ends_the_server_with_a_failure_the_unit_restarts(server):
     """Runs last for each server: it kills the server's engine."""
-    engine_cores = [p for p in psutil.Process(server.process.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-    assert len(engine_cores) == 1, engine_cores
-    target = engine_cores[0]
+    cores = engine_cores(server.process.pid)
+    assert len(cores) == 1, cores
+    target = cores[0]
     if KILLED[server.scheme] == "worker":
         (target,) = target.children()
     target.send_signal(signal.SIGKILL)
@@ -365,7 +378,7 @@ def test_engine_death_while_loading_is_a_failure_the_unit_restarts(tmp_path):
         deadline = time.monotonic() + START_TIMEOUT_S
         engine_core = None
         while engine_core is None and time.monotonic() < deadline and process.poll() is None:
-            cores = [p for p in psutil.Process(process.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+            cores = engine_cores(process.pid)
             if cores and cores[0].children():  # the worker is up: the engine is loading the model
                 engine_core = cores[0]
             time.sleep(0.2)
