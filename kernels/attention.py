@@ -286,38 +286,39 @@ def _query_parts(x_lo, x_hi, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _load_key_parts(cache_u8_ptr, page, offset, WIDE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+def _load_key_parts(k_tile_ptr, WIDE: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr,
                     CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr):
-    """A tile's key codes as [TILE, channels] parts over _query_parts' channels, exact (_load_codes)."""
+    """A tile's key codes as [TILE, channels] parts over _query_parts' channels, exact (_load_codes); ``k_tile_ptr``:
+    the tile's first key code byte."""
+    slots = tl.arange(0, TILE)
     if WIDE:  # token t's int16 word i holds bytes 2i and 2i + 1
         i = tl.arange(0, HALF // 2)
-        words = cache_u8_ptr.to(tl.pointer_type(tl.int16)) + page // 2
-        parts = _unpack_quarters(tl.load(words + offset[:, None] * (HALF // 2) + i[None, :]), PTX_UNPACK,
+        words = k_tile_ptr.to(tl.pointer_type(tl.int16))
+        parts = _unpack_quarters(tl.load(words + slots[:, None] * (HALF // 2) + i[None, :]), PTX_UNPACK,
                                  SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
     else:
-        parts = _load_codes(cache_u8_ptr, page, 0, offset, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16,
+        parts = _load_codes(k_tile_ptr, slots, False, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16,
                             CODE_BIAS_BITS, CODE_BIAS, HALF)
     return parts
 
 
 @triton.jit
-def _load_value_parts(cache_u8_ptr, page, region, in_page, WIDE: tl.constexpr, TILE: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr,
-                      IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
-                      HALF: tl.constexpr):
-    """A tile's value codes (the tile starts at slot ``in_page``, a multiple of TILE), exact: two [TILE, HALF]
-    halves (_load_codes), or, read two bytes at a time, four [TILE // 2, HALF] parts: channels j and HALF + j of
-    the tile's even tokens, then of its odd ones (_accumulate_values pairs them with P's columns)."""
+def _load_value_parts(v_tile_ptr, WIDE: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr,
+                      CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr):
+    """A tile's value codes (``v_tile_ptr``: the tile's first byte in the page's channel-major value region), exact:
+    two [TILE, HALF] halves (_load_codes), or, read two bytes at a time, four [TILE // 2, HALF] parts: channels j
+    and HALF + j of the tile's even tokens, then of its odd ones (_accumulate_values pairs them with P's columns)."""
     if WIDE:  # channel byte j's int16 word i holds tokens 2i and 2i + 1
         pair = tl.arange(0, TILE // 2)
         j = tl.arange(0, HALF)
-        words = cache_u8_ptr.to(tl.pointer_type(tl.int16)) + (page + region + in_page) // 2
+        words = v_tile_ptr.to(tl.pointer_type(tl.int16))
         packed = tl.trans(tl.load(words + j[:, None] * (BLOCK_SIZE // 2) + pair[None, :]))
         parts = _unpack_quarters(packed, PTX_UNPACK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
     else:
-        parts = _load_codes(cache_u8_ptr, page, region, in_page + tl.arange(0, TILE), True, BLOCK_SIZE,
-                            PTX_UNPACK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
+        parts = _load_codes(v_tile_ptr, tl.arange(0, TILE), True, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16,
+                            CODE_BIAS_BITS, CODE_BIAS, HALF)
     return parts
 
 
@@ -336,19 +337,20 @@ def _accumulate_values(acc_lo, acc_hi, p_scaled, v_parts):
 
 
 @triton.jit
-def _load_codes(cache_u8_ptr, page, region, offset, CHANNEL_MAJOR: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+def _load_codes(codes_ptr, offset, CHANNEL_MAJOR: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, IS_BF16: tl.constexpr,
                 CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr):
-    """A tile's codes as two [TILE, HALF] halves (channels j and j + HALF), exact, in the query dtype.
+    """A tile's codes as two [TILE, HALF] halves (channels j and j + HALF), exact, in the query dtype; ``codes_ptr``:
+    the first byte of the tile's K or V codes, ``offset`` the tile's slots from it.
 
     Unmasked: slots past a sequence's end hold stale bytes, but every code is a finite 0..15 and the caller
     zeroes what such slots contribute (scores masked to -inf, value params loaded as 0). A mask that varies
     along the contiguous dimension would also cost the vector loads of the channel-major V region."""
     ch = tl.arange(0, HALF)
     if CHANNEL_MAJOR:  # V: byte j of token t at j * BLOCK_SIZE + t (layout.py); the transpose is a layout change
-        packed = tl.trans(tl.load(cache_u8_ptr + page + region + ch[:, None] * BLOCK_SIZE + offset[None, :]))
+        packed = tl.trans(tl.load(codes_ptr + ch[:, None] * BLOCK_SIZE + offset[None, :]))
     else:
-        packed = tl.load(cache_u8_ptr + page + region + offset[:, None] * HALF + ch[None, :])
+        packed = tl.load(codes_ptr + offset[:, None] * HALF + ch[None, :])
     if PTX_UNPACK:
         lo, hi = _unpack_ptx(packed, SUBNORMAL, IS_BF16)
     else:
@@ -367,28 +369,33 @@ def _dot_parts(a_parts, b_parts):
 
 
 @triton.jit
-def _scores_per_token(q_parts, q_sum, k_parts, cache_f16_ptr, k_params, offset, written,
+def _scores_per_token(q_parts, q_sum_scaled, k_parts, k_params, offset, written, qk_scale,
                       CODE_SCALE: tl.constexpr, PAIRED: tl.constexpr, ALL_WRITTEN: tl.constexpr):
-    """Q K^T for keys quantized per token: (Q . codes) * scale_t + sum(Q) * min_t, q rotated like the keys; Q and
-    the codes split alike (_query_parts); ALL_WRITTEN: the params load unmasked (load_token_params)."""
-    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written, PAIRED, ALL_WRITTEN)
+    """Q K^T times the softmax scale qk_scale for keys quantized per token: (Q . codes) * scale_t * qk_scale +
+    sum(Q) * qk_scale * min_t (``q_sum_scaled``), q rotated like the keys; Q and the codes split alike
+    (_query_parts); ALL_WRITTEN: the params load unmasked (load_token_params). The scale goes into the per-token
+    and per-row factors, not into each score."""
+    s_t, m_t = load_token_params(k_params, offset, written, PAIRED, ALL_WRITTEN)
     raw = _dot_parts(q_parts, k_parts)
-    return raw * (s_t * CODE_SCALE)[None, :] + q_sum[:, None] * m_t[None, :]
+    return raw * (s_t * (CODE_SCALE * qk_scale))[None, :] + q_sum_scaled[:, None] * m_t[None, :]
 
 
 @triton.jit
-def _scores_per_channel(q_lo, q_hi, k_parts, cache_f16_ptr, k_params, CODE_SCALE: tl.constexpr, HALF: tl.constexpr,
+def _scores_per_channel(q_lo, q_hi, k_parts, k_params, qk_scale, CODE_SCALE: tl.constexpr, HALF: tl.constexpr,
                         PAIRED: tl.constexpr, HIGH_PART_SCALE: tl.constexpr):
-    """Q K^T for a KIVI block closed per channel (unrotated keys, per-channel params): (Q * scale) . codes + Q . min.
-    Q * scale is split like the codes (_query_parts: halves, or with four parts quarters whose odd ones hold high
-    nibbles, _high_part_scale)."""
-    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF, PAIRED)
+    """Q K^T times the softmax scale qk_scale for a KIVI block closed per channel (unrotated keys, per-channel
+    params): ((Q * scale) . codes + Q . min) * qk_scale, the scale on the row's bias and in the one multiply that
+    takes the codes' scale off. Q * scale is split like the codes (_query_parts: halves, or with four parts quarters
+    whose odd ones hold high nibbles, _high_part_scale). The product of two fp16 values is exact in fp32, so each
+    rounds once to dt as a packed fp16 multiply would; the high part's power of two then goes on in dt, exact but
+    where the result is subnormal."""
+    s_lo, m_lo, s_hi, m_hi = load_channel_params(k_params, HALF, PAIRED)
     dt = q_lo.dtype
     q32_lo = q_lo.to(tl.float32)
     q32_hi = q_hi.to(tl.float32)
     bias = tl.sum(q32_lo * m_lo, 1) + tl.sum(q32_hi * m_hi, 1)
-    qs_parts = _query_parts((q32_lo * s_lo).to(dt), (q32_hi * (s_hi * HIGH_PART_SCALE)).to(dt), len(k_parts) == 4)
-    return _dot_parts(qs_parts, k_parts) * CODE_SCALE + bias[:, None]
+    qs_parts = _query_parts((q32_lo * s_lo).to(dt), (q32_hi * s_hi).to(dt) * HIGH_PART_SCALE, len(k_parts) == 4)
+    return _dot_parts(qs_parts, k_parts) * (CODE_SCALE * qk_scale) + (bias * qk_scale)[:, None]
 
 
 @triton.jit
@@ -420,8 +427,8 @@ def _add_pairs(a0, b0, a1, b1):
 
 
 @triton.jit
-def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum, q_rows, row_live, q_pos,
-                 seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
+def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
+                 may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
                  block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                  new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                  TAIL: tl.constexpr, FULL: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -434,7 +441,8 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
     see; FULL (never with TAIL): every live row sees every key of the tile, so it runs without the visibility and
     written-slot masks (LaunchConfig.unmasked_full_tiles). q_lo, q_hi: the query rows' halves (int4_kivi scales them
     per channel each block); qr_parts: int4_saw's rotated rows split as the codes are read (_query_parts; WIDE:
-    LaunchConfig.wide_code_loads); JOINT_SUMS: LaunchConfig.joint_row_sums."""
+    LaunchConfig.wide_code_loads), qr_sum_scaled their sums times qk_scale; JOINT_SUMS: LaunchConfig.joint_row_sums.
+    Scores come out of the _scores_* functions already times qk_scale (log2 units)."""
     dt = q_lo.dtype
     layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
     layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
@@ -442,54 +450,68 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
     start = tile * TILE
     logical_block = start // BLOCK_SIZE
     physical = tl.load(block_table_ptr + seq * block_table_stride + logical_block).to(tl.int64)
-    page = physical * stride_block + kv_head * stride_head
+    page_ptr = cache_u8_ptr + (physical * stride_block + kv_head * stride_head)
     in_page = tl.multiple_of(start % BLOCK_SIZE, TILE)  # aligned: vector loads
-    offset = in_page + tl.arange(0, TILE)
-    k_pos = start + tl.arange(0, TILE)
+    slots = tl.arange(0, TILE)
+    offset = in_page + slots
+    k_pos = start + slots
     # slots past the sequence end hold stale bytes: never let them reach the P @ V product
     written = k_pos < seq_len
-    k_params = (page + layout_k_params) // 2
+    # Each region of the page as a pointer, the tile as a scalar step into it: the tensor offsets (slots, channels)
+    # are then the same every tile, and a load's address one add. Page and in-page offsets as one tensor were redone
+    # in 64 bits every tile, and an index into the cache as int16 or fp16 halved the byte offset (a signed division)
+    k_params = (page_ptr + layout_k_params).to(tl.pointer_type(tl.float16))  # per channel (int4_kivi's closed blocks)
+    k_token_params = k_params + 2 * in_page  # per token: (scale, min) of each slot
+    v_token_params = (page_ptr + layout_v_params).to(tl.pointer_type(tl.float16)) + 2 * in_page
     # the key codes are loaded outside the branches: Triton's pipeliner prefetches only top-level loads
-    k_parts = _load_key_parts(cache_u8_ptr, page, offset, WIDE, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16,
+    k_parts = _load_key_parts(page_ptr + in_page * HALF, WIDE, TILE, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16,
                               CODE_BIAS_BITS, CODE_BIAS, HALF)
     if IS_KIVI:
         if not TAIL:  # a block before the program's own blocks: closed for every row, per channel
-            scores = _scores_per_channel(q_lo, q_hi, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED,
+            scores = _scores_per_channel(q_lo, q_hi, k_parts, k_params, qk_scale, CODE_SCALE, HALF, PAIRED,
                                          HIGH_PART_SCALE)
         else:
             new_key_rows = ((q_start - context + k_pos).to(tl.int64) * new_keys_stride_t
                             + kv_head * new_keys_stride_h)
             scores = _scores_from_originals(q_rows, row_live, new_keys_ptr, new_key_rows, staged_keys_ptr,
                                             pool_page, pool_stride_token, offset, k_pos, context, seq_len,
-                                            slot, HALF)
+                                            slot, HALF) * qk_scale
             if BLOCK_Q > 1 and logical_block < (kv_end - 1) // BLOCK_SIZE:
                 # the program's later rows are in the next block: this one is closed for them (a decode program
                 # has one row, so never: the constexpr test keeps the second score matrix out of its registers)
-                closed = _scores_per_channel(q_lo, q_hi, k_parts, cache_f16_ptr, k_params, CODE_SCALE, HALF, PAIRED,
+                closed = _scores_per_channel(q_lo, q_hi, k_parts, k_params, qk_scale, CODE_SCALE, HALF, PAIRED,
                                          HIGH_PART_SCALE)
                 own = (q_pos // BLOCK_SIZE == logical_block)[:, None]
                 scores = tl.where(own, scores, closed)
     else:
-        scores = _scores_per_token(qr_parts, qr_sum, k_parts, cache_f16_ptr, k_params, offset, written,
+        scores = _scores_per_token(qr_parts, qr_sum_scaled, k_parts, k_token_params, slots, written, qk_scale,
                                    CODE_SCALE, PAIRED, FULL)
+    # rows past may_live are dead and the compiler can tell (the kernel's MAY_LIVE_ROWS): the selects on may_live
+    # make their softmax constants, which fold away. The cross-warp row maximum passes through shared memory, where
+    # the compiler would lose that a dead row's maximum is -inf, hence the select after it too
     if FULL:
         # every key is written and seen by every live row, so each row's maximum is finite from the first tile on
         # (a dead row's q is 0: its scores are 0, and its output is never stored)
-        scores = scores * qk_scale
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_ref = m_new
+        scores = tl.where(may_live[:, None], scores, float("-inf"))
+        m_new = tl.where(may_live, tl.maximum(m_i, tl.max(scores, 1)), float("-inf"))
+        m_ref = tl.where(may_live, m_new, 0.0)
     else:
-        visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
-        scores = tl.where(visible, scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        if BLOCK_Q == 1:
+            # one query token (decode): its position is kv_end - 1, so the causal test is the length test; a dead
+            # row's scores stay finite (q = 0) and are never stored
+            visible = may_live[:, None] & (k_pos < kv_end)[None, :]
+        else:
+            visible = row_live[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.where(may_live, tl.maximum(m_i, tl.max(scores, 1)), float("-inf"))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(scores - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
-    v_parts = _load_value_parts(cache_u8_ptr, page, layout_v_codes, in_page, WIDE, TILE, BLOCK_SIZE, PTX_UNPACK,
-                                SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
-    sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written, PAIRED, FULL)
-    p_sv = p * sv[None, :]
-    p_mv = p * mv[None, :]
+    alpha = tl.where(may_live, tl.exp2(m_i - m_ref), 1.0)
+    v_parts = _load_value_parts(page_ptr + layout_v_codes + in_page, WIDE, TILE, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL,
+                                IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
+    sv, mv = load_token_params(v_token_params, slots, written, PAIRED, FULL)
+    p_sv = tl.where(may_live[:, None], p * sv[None, :], 0.0)
+    p_mv = tl.where(may_live[:, None], p * mv[None, :], 0.0)
     if BLOCK_Q > 1 and not FULL:
         # a broken value (NaN scale) must poison only the queries that see it: p = 0 for a later token,
         # but 0 * NaN is NaN, so select on visibility. A decode row sees exactly the written slots, whose
@@ -511,7 +533,7 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
 
 @triton.jit
 def _attend_warp_split(first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, seq, seq_len, kv_head, qk_scale,
-                       cache_u8_ptr, cache_f16_ptr, block_table_ptr, block_table_stride, stride_block, stride_head,
+                       cache_u8_ptr, block_table_ptr, block_table_stride, stride_block, stride_head,
                        TILE: tl.constexpr, WARPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                        PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
                        IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
@@ -538,11 +560,11 @@ def _attend_warp_split(first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, se
     for tile in range(first_tile, last_tile):
         start = tile * TILE
         physical = tl.load(block_table_ptr + seq * block_table_stride + start // BLOCK_SIZE).to(tl.int64)
-        page = physical * stride_block + kv_head * stride_head
+        page_ptr = cache_u8_ptr + (physical * stride_block + kv_head * stride_head)
         offset = tl.multiple_of(start % BLOCK_SIZE, TILE) + token_in_tile  # aligned: vector loads
         written = (start + token_in_tile) < seq_len  # a decode row sees every written slot, and no other
-        k_packed = tl.load(cache_u8_ptr + page + offset[:, :, None] * HALF + ch[None, None, :])
-        v_packed = tl.trans(tl.load(cache_u8_ptr + page + layout_v_codes + ch[None, :, None] * BLOCK_SIZE
+        k_packed = tl.load(page_ptr + offset[:, :, None] * HALF + ch[None, None, :])
+        v_packed = tl.trans(tl.load(page_ptr + layout_v_codes + ch[None, :, None] * BLOCK_SIZE
                                     + offset[:, None, :]), (0, 2, 1))
         if PTX_UNPACK:
             k_lo, k_hi = _unpack_ptx(k_packed, SUBNORMAL, IS_BF16)
@@ -552,7 +574,8 @@ def _attend_warp_split(first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, se
             k_hi = _codes_as_float(k_packed >> 4, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
             v_lo = _codes_as_float(v_packed & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
             v_hi = _codes_as_float(v_packed >> 4, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
-        s_t, m_t = load_token_params(cache_f16_ptr, (page + layout_k_params) // 2, offset, written, PAIRED)
+        s_t, m_t = load_token_params((page_ptr + layout_k_params).to(tl.pointer_type(tl.float16)), offset, written,
+                                     PAIRED)
         raw = tl.dot(q_lo, tl.trans(k_lo, (0, 2, 1))) + tl.dot(q_hi, tl.trans(k_hi, (0, 2, 1)))  # [WARPS, M, SUB]
         scores = raw * (s_t * CODE_SCALE)[:, None, :] + q_sum[:, :, None] * m_t[:, None, :]
         scores = tl.where(live[:, :, None] & written[:, None, :], scores * qk_scale, float("-inf"))
@@ -560,7 +583,8 @@ def _attend_warp_split(first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, se
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(scores - m_ref[:, :, None])
         alpha = tl.exp2(m_i - m_ref)
-        sv, mv = load_token_params(cache_f16_ptr, (page + layout_v_params) // 2, offset, written, PAIRED)
+        sv, mv = load_token_params((page_ptr + layout_v_params).to(tl.pointer_type(tl.float16)), offset, written,
+                                   PAIRED)
         p_scaled = (p * sv[:, None, :]).to(q_lo.dtype)
         l_i = l_i * alpha + tl.sum(p, 2)
         acc_lo = acc_lo * alpha[:, :, None] + tl.dot(p_scaled, v_lo)
@@ -580,7 +604,7 @@ def _attend_warp_split(first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, se
             do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr",
                                             "sequence_slots_ptr"])
 def _paged_attention_kernel(
-    q_ptr, out_ptr, cache_u8_ptr, cache_f16_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    q_ptr, out_ptr, cache_u8_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_acc_ptr, part_ml_ptr, new_keys_ptr, staged_keys_ptr, sequence_slots_ptr,
     qk_scale, num_seqs,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_table_stride, stride_block, stride_head,
@@ -622,6 +646,10 @@ def _paged_attention_kernel(
         q_tok = local_block * BLOCK_Q + rows // GROUP
         head = kv_head * GROUP + rows % GROUP
         row_live = (rows < BLOCK_Q * GROUP) & (q_tok < q_len)
+        # rows that may hold a live query, bounded where the compiler can tell from the layout: a thread of a 16-row
+        # MMA tile holds rows r and r + 8, so with the GQA group in the first 8 its second row is dead (_attend_tile)
+        MAY_LIVE_ROWS: tl.constexpr = 8 if BLOCK_M == 16 and BLOCK_Q * GROUP <= 8 else BLOCK_M
+        may_live = rows < MAY_LIVE_ROWS
         q_pos = context + q_tok
         ch = tl.arange(0, HALF)
         q_rows = q_ptr + (q_start + q_tok).to(tl.int64)[:, None] * q_stride_t + head[:, None] * q_stride_h
@@ -635,6 +663,7 @@ def _paged_attention_kernel(
         qr_lo = qr_lo32.to(dt)
         qr_hi = qr_hi32.to(dt)
         qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
+        qr_sum_scaled = qr_sum * qk_scale  # the tile loop's per-token scores take the softmax scale here, once
         # the channels whose codes come 16 x too large: q takes the 1/16 (a power of two: the same rounding)
         qr_parts = _query_parts(qr_lo, (qr_hi32 * HIGH_PART_SCALE).to(dt), WIDE_CODES)
 
@@ -653,9 +682,8 @@ def _paged_attention_kernel(
         if WARP_SPLIT:
             m_i, l_i, acc_lo, acc_hi, acc_min = _attend_warp_split(
                 first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, seq, seq_len, kv_head, qk_scale, cache_u8_ptr,
-                cache_f16_ptr, block_table_ptr, block_table_stride, stride_block, stride_head, TILE, WARPS,
-                BLOCK_SIZE, BLOCK_M, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF,
-                PAIRED_PARAMS)
+                block_table_ptr, block_table_stride, stride_block, stride_head, TILE, WARPS, BLOCK_SIZE, BLOCK_M,
+                PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
         else:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -676,8 +704,8 @@ def _paged_attention_kernel(
                                        first_tile)
             for tile in range(first_tile, tail_tile):
                 m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum, q_rows, row_live, q_pos,
-                    seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
+                    may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                     False, UNMASKED_FULL_TILES, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE,
@@ -690,8 +718,8 @@ def _paged_attention_kernel(
             # original-key tiles would take the shared memory that lets a second program share the SM (occupancy).
             for tile in tl.range(tail_tile, last_tile, num_stages=1):
                 m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum, q_rows, row_live, q_pos,
-                    seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr, cache_f16_ptr,
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
+                    may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
                     block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
                     new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
                     True, False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
@@ -953,7 +981,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     # query blocks: a sequence's start at qsl[i] // block_q + i (_find_sequence); a decode's only one at i
     grid = (num_seqs if decode else num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        query, out, kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, query_start_loc,
+        query, out, kv_cache, block_table, seq_lens, query_start_loc,
         workspace.part_acc if num_splits > 1 else dummy, workspace.part_ml if num_splits > 1 else dummy,
         new_keys, staged_keys, sequence_slots,
         softmax_scale * LOG2E, num_seqs,

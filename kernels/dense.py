@@ -27,16 +27,16 @@ TILE = 64
 
 
 @triton.jit
-def _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params, HALF: tl.constexpr):
-    s_lo, m_lo, s_hi, m_hi = load_channel_params(cache_f16_ptr, k_params, HALF, False)
+def _keys_per_channel(k_lo, k_hi, k_params, HALF: tl.constexpr):
+    s_lo, m_lo, s_hi, m_hi = load_channel_params(k_params, HALF, False)
     return k_lo * s_lo + m_lo, k_hi * s_hi + m_hi
 
 
 @triton.jit
-def _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, written, HADAMARD_BLOCK: tl.constexpr,
+def _keys_per_token(k_lo, k_hi, k_params, offset, written, HADAMARD_BLOCK: tl.constexpr,
                     HALF: tl.constexpr):
     """Per-token dequantization, then back from the rotated space (R is its own inverse)."""
-    s_t, m_t = load_token_params(cache_f16_ptr, k_params, offset, written, False)
+    s_t, m_t = load_token_params(k_params, offset, written, False)
     return rotate_halves_fp32(k_lo * s_t[:, None] + m_t[:, None], k_hi * s_t[:, None] + m_t[:, None], HADAMARD_BLOCK,
                               HALF)
 
@@ -45,7 +45,7 @@ def _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, written, HADAMA
 # variants (a JIT stall while serving); they are read with scalar loads.
 @triton.jit(do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "cu_pages_ptr"])
 def _gather_dense_kernel(
-    cache_u8_ptr, cache_f16_ptr, block_table_ptr, seq_lens_ptr, cu_pages_ptr, dense_k_ptr, dense_v_ptr,
+    cache_u8_ptr, block_table_ptr, seq_lens_ptr, cu_pages_ptr, dense_k_ptr, dense_v_ptr,
     dense_stride_page, dense_stride_t, dense_stride_h, block_table_stride, stride_block, stride_head,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IS_KIVI: tl.constexpr, HADAMARD_BLOCK: tl.constexpr,
     ROTATE_V: tl.constexpr, HALF: tl.constexpr,
@@ -60,23 +60,24 @@ def _gather_dense_kernel(
         ch = tl.arange(0, HALF)
         logical_block = tile * TILE // BLOCK_SIZE
         physical = tl.load(block_table_ptr + seq * block_table_stride + logical_block).to(tl.int64)
-        page = physical * stride_block + head * stride_head
+        page_ptr = cache_u8_ptr + (physical * stride_block + head * stride_head)
         offset = (tile * TILE) % BLOCK_SIZE + tl.arange(0, TILE)
 
-        k_bytes = tl.load(cache_u8_ptr + page + offset[:, None] * HALF + ch[None, :], mask=written[:, None], other=0)
+        k_bytes = tl.load(page_ptr + offset[:, None] * HALF + ch[None, :], mask=written[:, None], other=0)
         k_lo = (k_bytes & 15).to(tl.float32)
         k_hi = (k_bytes >> 4).to(tl.float32)
-        k_params = (page + (2 * HALF + 4) * BLOCK_SIZE) // 2  # layout.py: (D + 4) * B
+        k_params = (page_ptr + (2 * HALF + 4) * BLOCK_SIZE).to(tl.pointer_type(tl.float16))  # layout.py: (D + 4) * B
         if IS_KIVI and (logical_block + 1) * BLOCK_SIZE <= seq_len:  # a full int4_kivi block is closed
-            k_lo, k_hi = _keys_per_channel(k_lo, k_hi, cache_f16_ptr, k_params, HALF)
+            k_lo, k_hi = _keys_per_channel(k_lo, k_hi, k_params, HALF)
         else:
             # int4_saw; int4_kivi's last block when not full (never read: it is the own block of its queries,
             # gather_own_keys rewrites it)
-            k_lo, k_hi = _keys_per_token(k_lo, k_hi, cache_f16_ptr, k_params, offset, written, HADAMARD_BLOCK, HALF)
+            k_lo, k_hi = _keys_per_token(k_lo, k_hi, k_params, offset, written, HADAMARD_BLOCK, HALF)
 
-        v_bytes = tl.load(cache_u8_ptr + page + HALF * BLOCK_SIZE + offset[:, None] + ch[None, :] * BLOCK_SIZE,
+        v_bytes = tl.load(page_ptr + HALF * BLOCK_SIZE + offset[:, None] + ch[None, :] * BLOCK_SIZE,
                           mask=written[:, None], other=0)  # channel-major (layout.py)
-        s_v, m_v = load_token_params(cache_f16_ptr, (page + 2 * HALF * BLOCK_SIZE) // 2, offset, written, False)
+        s_v, m_v = load_token_params((page_ptr + 2 * HALF * BLOCK_SIZE).to(tl.pointer_type(tl.float16)), offset,
+                                     written, False)
         v_lo = (v_bytes & 15).to(tl.float32) * s_v[:, None] + m_v[:, None]
         v_hi = (v_bytes >> 4).to(tl.float32) * s_v[:, None] + m_v[:, None]
         if ROTATE_V:
@@ -176,7 +177,7 @@ def gather_dense_kv(kv_cache, block_table, seq_lens, cu_pages, max_seq_len: int,
     tile = tile_tokens(block_size, TILE)
     grid = (num_seqs, cdiv(max_seq_len, block_size) * block_size // tile, num_kv_heads)
     _gather_dense_kernel[grid](
-        kv_cache, kv_cache.view(torch.float16), block_table, seq_lens, cu_pages, dense_k, dense_v,
+        kv_cache, block_table, seq_lens, cu_pages, dense_k, dense_v,
         dense_k.stride(0), dense_k.stride(1), dense_k.stride(2), block_table.stride(0), kv_cache.stride(0),
         kv_cache.stride(1),
         BLOCK_SIZE=block_size, TILE=tile, IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),

@@ -81,42 +81,41 @@ def _row_pow2_scales(x_lo, x_hi):
 
 
 @triton.jit
-def load_token_params(cache_f16_ptr, params, offset, written, PAIRED: tl.constexpr,
-                      ALL_WRITTEN: tl.constexpr = False):
-    """fp32 (scale, min) of the tokens at ``offset`` of a page's per-token params region, which starts at fp16
-    index ``params``; 0 for slots not written. PAIRED: each (scale, min) pair as one 32-bit load, else two 2-byte
+def load_token_params(params, offset, written, PAIRED: tl.constexpr, ALL_WRITTEN: tl.constexpr = False):
+    """fp32 (scale, min) of the tokens at ``offset`` of a page's per-token params region, which starts at the fp16
+    pointer ``params``; 0 for slots not written. PAIRED: each (scale, min) pair as one 32-bit load, else two 2-byte
     loads (LaunchConfig.paired_param_loads says why and where). ALL_WRITTEN: the caller knows every slot is
     written, so the loads take no mask (``written`` is ignored)."""
     if ALL_WRITTEN:
         if PAIRED:
-            pair = tl.load(cache_f16_ptr.to(tl.pointer_type(tl.int32)) + params // 2 + offset)
+            pair = tl.load(params.to(tl.pointer_type(tl.int32)) + offset)
             scale, minimum = split_fp16_pair(pair)
         else:
-            scale = tl.load(cache_f16_ptr + params + offset * 2).to(tl.float32)
-            minimum = tl.load(cache_f16_ptr + params + offset * 2 + 1).to(tl.float32)
+            scale = tl.load(params + offset * 2).to(tl.float32)
+            minimum = tl.load(params + offset * 2 + 1).to(tl.float32)
     elif PAIRED:
-        pair = tl.load(cache_f16_ptr.to(tl.pointer_type(tl.int32)) + params // 2 + offset, mask=written, other=0)
+        pair = tl.load(params.to(tl.pointer_type(tl.int32)) + offset, mask=written, other=0)
         scale, minimum = split_fp16_pair(pair)
     else:
-        scale = tl.load(cache_f16_ptr + params + offset * 2, mask=written, other=0.0).to(tl.float32)
-        minimum = tl.load(cache_f16_ptr + params + offset * 2 + 1, mask=written, other=0.0).to(tl.float32)
+        scale = tl.load(params + offset * 2, mask=written, other=0.0).to(tl.float32)
+        minimum = tl.load(params + offset * 2 + 1, mask=written, other=0.0).to(tl.float32)
     return scale, minimum
 
 
 @triton.jit
-def load_channel_params(cache_f16_ptr, params, HALF: tl.constexpr, PAIRED: tl.constexpr):
+def load_channel_params(params, HALF: tl.constexpr, PAIRED: tl.constexpr):
     """fp32 (scale, min) of channels 0..HALF-1 and HALF..2*HALF-1 of a closed KIVI block, each [1, HALF];
-    PAIRED as in load_token_params."""
+    ``params``: the fp16 pointer to the block's per-channel params; PAIRED as in load_token_params."""
     ch = tl.arange(0, HALF)
     if PAIRED:
-        pairs = cache_f16_ptr.to(tl.pointer_type(tl.int32)) + params // 2  # a (scale, min) pair per 32-bit word
+        pairs = params.to(tl.pointer_type(tl.int32))  # a (scale, min) pair per 32-bit word
         s_lo, m_lo = split_fp16_pair(tl.load(pairs + ch))
         s_hi, m_hi = split_fp16_pair(tl.load(pairs + HALF + ch))
     else:
-        s_lo = tl.load(cache_f16_ptr + params + ch * 2).to(tl.float32)
-        m_lo = tl.load(cache_f16_ptr + params + ch * 2 + 1).to(tl.float32)
-        s_hi = tl.load(cache_f16_ptr + params + 2 * HALF + ch * 2).to(tl.float32)
-        m_hi = tl.load(cache_f16_ptr + params + 2 * HALF + ch * 2 + 1).to(tl.float32)
+        s_lo = tl.load(params + ch * 2).to(tl.float32)
+        m_lo = tl.load(params + ch * 2 + 1).to(tl.float32)
+        s_hi = tl.load(params + 2 * HALF + ch * 2).to(tl.float32)
+        m_hi = tl.load(params + 2 * HALF + ch * 2 + 1).to(tl.float32)
     return s_lo[None, :], m_lo[None, :], s_hi[None, :], m_hi[None, :]
 
 

@@ -146,21 +146,23 @@ def test_copies_in_flight_reads_the_pipeline_depth(tmp_path_factory):
 def test_int4_saw_rotates_q_in_a_short_prologue(kivi_decode, saw_stats):
     """A decode split at batch 1 holds one tile, so what a program runs before its first tile weighs as much as the
     loop. int4_saw's is q's rotation: built from one sign quadrant and two dots it stays within 3x int4_kivi's
-    prologue (no rotation) and 1.5x the tile loop (which the wide subnormal loads took to about 700 instructions);
-    four generated quadrants and four dots made it 6x (1,771 against 288 instructions) and 1.6x the byte loop."""
+    prologue (no rotation) and 1.6x the tile loop (which the wide subnormal loads, the folded dead rows and the
+    per-tile pointers took to about 600 instructions); four generated quadrants and four dots made it 6x (1,771
+    against 288 instructions) and 1.6x the byte loop of then (1,100)."""
     _, kivi_cells = kivi_decode
     saw_table, _ = saw_stats
     saw_cells = committed_row(saw_table, "int4_saw")
     saw_prologue = int(saw_cells["instructions before the first tile"])
     assert saw_prologue < 3 * int(kivi_cells["instructions before the first tile"]), (saw_cells, kivi_cells)
-    assert saw_prologue < 1.5 * int(saw_cells["total"]), saw_cells
+    assert saw_prologue < 1.6 * int(saw_cells["total"]), saw_cells
 
 
 def test_wide_code_loads_drop_the_operand_moves_and_the_byte_spreading(saw_stats, tmp_path_factory):
     """int4_saw's tile loop with its codes read two bytes per element (LaunchConfig.wide_code_loads), with each PTX
-    code path: the same tensor-core work, no PRMT spreading bytes over 16-bit lanes, a fraction of the register moves
-    that fed q and P to the MMA (from 8-bit elements their fragments took four values per thread), a fifth fewer
-    instructions, no more registers."""
+    code path: the same tensor-core work, no PRMT spreading bytes over 16-bit lanes (one per two codes read a byte
+    per element; the few left place P's halves beside the folded dead rows for its exchange), a fraction of the
+    register moves that fed q and P to the MMA (from 8-bit elements their fragments took four values per thread), a
+    fifth fewer instructions, no more registers."""
     wide_table, wide_loops = saw_stats
     table, loops = sass_stats(tmp_path_factory, "int4_saw", "128x4x5", code_loads="bytes")
     for path in ("biased+ptx", "subnormal+ptx"):
@@ -171,11 +173,27 @@ def test_wide_code_loads_drop_the_operand_moves_and_the_byte_spreading(saw_stats
             return sum(n for name, n in histogram.items() if name.startswith(prefix))
 
         assert count(wide, "HMMA") == count(narrow, "HMMA") == 64, (narrow, wide)
-        assert count(wide, "PRMT") == 0 < count(narrow, "PRMT"), (narrow, wide)
+        assert 16 * count(wide, "PRMT") <= count(narrow, "PRMT"), (narrow, wide)
         assert 3 * count(wide, "IMAD.MOV") < count(narrow, "IMAD.MOV"), (narrow, wide)
         assert sum(wide.values()) < 0.85 * sum(narrow.values()), (path, sum(narrow.values()), sum(wide.values()))
         narrow_row, wide_row = table_row(table, label), table_row(wide_table, f"{label} wide")
         assert int(wide_row["registers"]) <= int(narrow_row["registers"]) and wide_row["spill bytes"] == "0"
+
+
+def test_dead_mma_rows_fold_away(kivi_decode, saw_stats, tmp_path_factory):
+    """A GQA group of at most 8 fills the first half of the 16-row MMA tile, and a thread holds rows r and r + 8:
+    the second row is dead, and its softmax must fold away (one exp2 per score a thread holds, 8 of a tile's 128
+    columns, and one for the row's rescale). Without selects on a row bound the compiler can prove, it lost the dead
+    row's -inf maximum at the cross-warp reduction and ran part of its softmax (11 exp2 a tile), and all of it in
+    the unmasked tiles (18)."""
+    _, unmasked_loops = sass_stats(tmp_path_factory, "int4_saw", options=("--unmasked-full-tiles",))
+    saw_table, saw_loops = saw_stats
+    saw_label = committed_row(saw_table, "int4_saw")["label"]
+    kivi_loop, _ = kivi_decode
+    for name, loop in (("int4_saw", saw_loops[saw_label]), ("int4_kivi", kivi_loop),
+                       ("int4_saw unmasked", unmasked_loops[f"{saw_label} unmasked"])):
+        exp2 = sum(n for mnemonic, n in loop.items() if mnemonic.startswith("MUFU.EX2"))
+        assert exp2 == 8 + 1, (name, exp2)
 
 
 def test_joint_row_sums_take_a_reduction_round_trip_out_of_the_tile(saw_stats, tmp_path_factory):
