@@ -108,9 +108,15 @@ def _inspect(tool: Path, flag: str, cubin: bytes) -> str:
 
 
 def resources(cubin: bytes) -> dict[str, int]:
-    """Registers per thread and local (spill) bytes of the kernel, from cuobjdump -res-usage."""
+    """Registers per thread and stack frame bytes of the kernel, from cuobjdump -res-usage: ptxas spills registers
+    to the stack frame (STACK), not to what cuobjdump calls LOCAL (0 in every kernel here)."""
     text = _inspect(CUOBJDUMP, "-res-usage", cubin)
-    return {key: int(re.search(rf"\b{key}:(\d+)", text).group(1)) for key in ("REG", "LOCAL")}
+    return {key: int(re.search(rf"\b{key}:(\d+)", text).group(1)) for key in ("REG", "STACK")}
+
+
+def local_accesses(loop: list[str]) -> int:
+    """The loop's loads and stores of local memory (LDL, STL): spilled registers it reloads and saves every tile."""
+    return sum(_opcode(text) in ("LDL", "STL") for text in loop)
 
 
 def warps_per_sm(regs: int, shared_bytes: int, num_warps: int) -> int:
@@ -270,20 +276,21 @@ def main(argv: list[str] | None = None) -> int:
         histograms[label] = dict(Counter(_mnemonic(text) for text in loop).most_common())
         codes_per_thread = 2 * tile * 128 / (32 * launch.num_warps)  # K and V codes of one tile, per thread
         occupancy = warps_per_sm(usage["REG"], kernel.shared_bytes, launch.num_warps)
-        rows.append((label, classify(opcodes), codes_per_thread, usage, kernel.shared_bytes, occupancy,
-                     copies_in_flight(loop), cta_barriers(loop), prologue))
+        rows.append((label, classify(opcodes), codes_per_thread, usage, local_accesses(loop), kernel.shared_bytes,
+                     occupancy, copies_in_flight(loop), cta_barriers(loop), prologue))
 
     names = list(CLASSES) + ["other", "total"]
     # a thread's instructions per tile over its share of the tile's codes = issue slots per code, comparable
     # across tiles and warp counts
     print("| variant (tile x warps x stages) | " + " | ".join(names) + " | instructions per code "
-          "| registers | spill bytes | shared memory bytes | warps per SM | copy groups in flight at the wait "
+          "| registers | stack bytes (spills) | spill loads and stores per tile | shared memory bytes | warps per SM "
+          "| copy groups in flight at the wait "
           "| CTA barriers per tile | instructions before the first tile "
           f"| TB/s at which the loop fills {PROFILED_ISSUE_SHARE:.0%} of the issue slots (H200) |")
-    print("|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|---|---|")
-    for label, table, codes, usage, shared_bytes, occupancy, in_flight, barriers, prologue in rows:
+    print("|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|---|---|---|")
+    for label, table, codes, usage, spill_accesses, shared_bytes, occupancy, in_flight, barriers, prologue in rows:
         print(f"| {label} | " + " | ".join(str(table[n]) for n in names) + f" | {table['total'] / codes:.2f} "
-              f"| {usage['REG']} | {usage['LOCAL']} | {shared_bytes:,} | {occupancy} "
+              f"| {usage['REG']} | {usage['STACK']} | {spill_accesses} | {shared_bytes:,} | {occupancy} "
               f"| {'no wait' if in_flight is None else in_flight} | {barriers} | {prologue} "
               f"| {issue_bound_tbps(table['total'] / codes):.2f} |")
     if args.json:
