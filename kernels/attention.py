@@ -57,11 +57,6 @@ class LaunchConfig:
     # ptxas register cap (None: the compiler's choice): the paired loads took int4_kivi's decode from 168 to 185
     # registers, one program fewer per SM; at 168 it fits three again, with no spills
     max_registers: int | None = None
-    # decode with keys per token (int4_saw) only: each warp takes its own TILE / num_warps tokens of every tile and
-    # keeps its own softmax state, merged once per program at the end. The warps then never meet inside the loop
-    # (no row maximum or sum across warps, no P exchanged through shared memory), at the cost of a [GROUP, D]
-    # accumulator per warp instead of per program
-    warp_split: bool = False
     # codes read two bytes per element (int16) instead of one: keys as four channel quarters, values as the even and
     # odd tokens of a tile (_load_key_parts, _load_value_parts). From 8-bit elements Triton lays both MMA operands
     # out four 16-bit values per thread (kWidth 4), which the hardware fragments do not match: q is reloaded from
@@ -74,7 +69,7 @@ class LaunchConfig:
     # launch at their start, and it reads the step's metadata before it waits for their partials: its launch and
     # first loads overlap the splits instead of following them (at batch 1 the merge was a third of the step)
     dependent_merge: bool = False
-    # tile loop only: the tiles that every live row of a program sees wholly (all before the first row's position,
+    # the tiles that every live row of a program sees wholly (all before the first row's position,
     # the program's smallest) run without the causal/length mask: no visibility select on the scores, no guard for
     # an all-masked row maximum, per-token params loaded unmasked. Only the tile or two at the end of a program's
     # range run the masked code, in a loop of their own (int4_saw's one loop splits in two; int4_kivi's loop before
@@ -108,17 +103,6 @@ DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=5, 
                  "int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
                                           paired_param_loads=True, max_registers=96, wide_code_loads=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
-# the decode launch of the batch sizes DECODE_SPLITS marks for the warp-split loop (LaunchConfig.warp_split)
-WARP_SPLIT_LAUNCH = {"int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=False,
-                                              ptx_unpack=True, paired_param_loads=True, warp_split=True)}
-
-
-def decode_launches(scheme_name: str) -> list[LaunchConfig]:
-    """The decode launches DECODE_SPLITS chooses between for a scheme: DECODE_LAUNCH, then WARP_SPLIT_LAUNCH if any."""
-    return [DECODE_LAUNCH[scheme_name]] + ([WARP_SPLIT_LAUNCH[scheme_name]] if scheme_name in WARP_SPLIT_LAUNCH
-                                           else [])
-
-
 def kept_launch_options(scheme_name: str) -> dict:
     """The DECODE_LAUNCH fields of a scheme that launch sweeps keep while they vary the tile, warps, stages and code
     path: how the kernel loads the codes and the parameters, and the register cap measured with that."""
@@ -531,72 +515,6 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
     return m_new, l_i, acc_lo, acc_hi, acc_min
 
 
-@triton.jit
-def _attend_warp_split(first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, seq, seq_len, kv_head, qk_scale,
-                       cache_u8_ptr, block_table_ptr, block_table_stride, stride_block, stride_head,
-                       TILE: tl.constexpr, WARPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                       PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
-                       IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr,
-                       HALF: tl.constexpr, PAIRED: tl.constexpr):
-    """Decode over tiles [first_tile, last_tile) of keys per token (LaunchConfig.warp_split): tensors are
-    [WARPS, ...], and the batched dots give warp w the tokens w * SUB .. w * SUB + SUB - 1 of every tile, with its
-    own online softmax; the warps' states merge once at the end. Returns the merged (m, l, acc_lo, acc_hi, acc_min)
-    of the one-warp loop (_attend_tile), unscaled by CODE_SCALE."""
-    SUB: tl.constexpr = TILE // WARPS
-    layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
-    layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
-    layout_k_params: tl.constexpr = (2 * HALF + 4) * BLOCK_SIZE
-    ch = tl.arange(0, HALF)
-    token_in_tile = tl.arange(0, WARPS)[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [WARPS, SUB]
-    q_lo = tl.broadcast_to(qr_lo[None, :, :], (WARPS, BLOCK_M, HALF))
-    q_hi = tl.broadcast_to(qr_hi[None, :, :], (WARPS, BLOCK_M, HALF))
-    q_sum = tl.broadcast_to(qr_sum[None, :], (WARPS, BLOCK_M))
-    live = tl.broadcast_to(row_live[None, :], (WARPS, BLOCK_M))
-    m_i = tl.full([WARPS, BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([WARPS, BLOCK_M], tl.float32)
-    acc_lo = tl.zeros([WARPS, BLOCK_M, HALF], tl.float32)
-    acc_hi = tl.zeros([WARPS, BLOCK_M, HALF], tl.float32)
-    acc_min = tl.zeros([WARPS, BLOCK_M], tl.float32)
-    for tile in range(first_tile, last_tile):
-        start = tile * TILE
-        physical = tl.load(block_table_ptr + seq * block_table_stride + start // BLOCK_SIZE).to(tl.int64)
-        page_ptr = cache_u8_ptr + (physical * stride_block + kv_head * stride_head)
-        offset = tl.multiple_of(start % BLOCK_SIZE, TILE) + token_in_tile  # aligned: vector loads
-        written = (start + token_in_tile) < seq_len  # a decode row sees every written slot, and no other
-        k_packed = tl.load(page_ptr + offset[:, :, None] * HALF + ch[None, None, :])
-        v_packed = tl.trans(tl.load(page_ptr + layout_v_codes + ch[None, :, None] * BLOCK_SIZE
-                                    + offset[:, None, :]), (0, 2, 1))
-        if PTX_UNPACK:
-            k_lo, k_hi = _unpack_ptx(k_packed, SUBNORMAL, IS_BF16)
-            v_lo, v_hi = _unpack_ptx(v_packed, SUBNORMAL, IS_BF16)
-        else:
-            k_lo = _codes_as_float(k_packed & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
-            k_hi = _codes_as_float(k_packed >> 4, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
-            v_lo = _codes_as_float(v_packed & 15, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
-            v_hi = _codes_as_float(v_packed >> 4, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
-        s_t, m_t = load_token_params((page_ptr + layout_k_params).to(tl.pointer_type(tl.float16)), offset, written,
-                                     PAIRED)
-        raw = tl.dot(q_lo, tl.trans(k_lo, (0, 2, 1))) + tl.dot(q_hi, tl.trans(k_hi, (0, 2, 1)))  # [WARPS, M, SUB]
-        scores = raw * (s_t * CODE_SCALE)[:, None, :] + q_sum[:, :, None] * m_t[:, None, :]
-        scores = tl.where(live[:, :, None] & written[:, None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 2))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_ref[:, :, None])
-        alpha = tl.exp2(m_i - m_ref)
-        sv, mv = load_token_params((page_ptr + layout_v_params).to(tl.pointer_type(tl.float16)), offset, written,
-                                   PAIRED)
-        p_scaled = (p * sv[:, None, :]).to(q_lo.dtype)
-        l_i = l_i * alpha + tl.sum(p, 2)
-        acc_lo = acc_lo * alpha[:, :, None] + tl.dot(p_scaled, v_lo)
-        acc_hi = acc_hi * alpha[:, :, None] + tl.dot(p_scaled, v_hi)
-        acc_min = acc_min * alpha + tl.sum(p * mv[:, None, :], 2)
-        m_i = m_new
-    m = tl.max(m_i, 0)
-    weight = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for a warp that saw no key
-    return (m, tl.sum(l_i * weight, 0), tl.sum(acc_lo * weight[:, :, None], 0),
-            tl.sum(acc_hi * weight[:, :, None], 0), tl.sum(acc_min * weight, 0))
-
-
 # Runtime values must not pick kernel variants: Triton would otherwise compile one per "== 1 / multiple of 16"
 # value of num_seqs and per 16-byte alignment of the (sliced) metadata pointers, and a new variant met while
 # serving is a JIT stall of seconds. The metadata is read with scalar loads, where alignment buys nothing.
@@ -614,7 +532,7 @@ def _paged_attention_kernel(
     ROTATE_V: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
-    PAIRED_PARAMS: tl.constexpr, WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
+    PAIRED_PARAMS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     DECODE: tl.constexpr, WIDE_CODES: tl.constexpr, HIGH_PART_SCALE: tl.constexpr, LAUNCH_MERGE: tl.constexpr,
     UNMASKED_FULL_TILES: tl.constexpr, JOINT_ROW_SUMS: tl.constexpr,
 ):
@@ -662,8 +580,8 @@ def _paged_attention_kernel(
         qr_lo32, qr_hi32 = rotate_halves(q_lo, q_hi, HADAMARD_BLOCK, HALF)
         qr_lo = qr_lo32.to(dt)
         qr_hi = qr_hi32.to(dt)
-        qr_sum = tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)
-        qr_sum_scaled = qr_sum * qk_scale  # the tile loop's per-token scores take the softmax scale here, once
+        # the per-token scores' sum(q) term, with the softmax scale taken here once (_scores_per_token)
+        qr_sum_scaled = (tl.sum(qr_lo.to(tl.float32), 1) + tl.sum(qr_hi.to(tl.float32), 1)) * qk_scale
         # the channels whose codes come 16 x too large: q takes the 1/16 (a power of two: the same rounding)
         qr_parts = _query_parts(qr_lo, (qr_hi32 * HIGH_PART_SCALE).to(dt), WIDE_CODES)
 
@@ -679,51 +597,45 @@ def _paged_attention_kernel(
 
         last_tile = tl.minimum(num_tiles, first_tile + tiles_per_split)
 
-        if WARP_SPLIT:
-            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_warp_split(
-                first_tile, last_tile, qr_lo, qr_hi, qr_sum, row_live, seq, seq_len, kv_head, qk_scale, cache_u8_ptr,
-                block_table_ptr, block_table_stride, stride_block, stride_head, TILE, WARPS, BLOCK_SIZE, BLOCK_M,
-                PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
-        else:
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
-            acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
-            acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
-            # Two loops: the tiles every live row sees wholly, then the program's tail. int4_kivi's tail starts at
-            # the program's own blocks, so the per-channel tiles before them cost neither registers nor branches
-            # for the own-block path (original keys, a second score matrix). With UNMASKED_FULL_TILES the first
-            # loop runs without masks (LaunchConfig.unmasked_full_tiles), and int4_saw's tail starts at the first
-            # tile holding a key past the first row's position (the program's smallest: later rows see more);
-            # without it int4_saw runs every tile in the first loop, masked.
-            tail_tile = last_tile
-            if IS_KIVI:
-                tail_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
-            elif UNMASKED_FULL_TILES:
-                tail_tile = tl.maximum(tl.minimum((context + local_block * BLOCK_Q + 1) // TILE, last_tile),
-                                       first_tile)
-            for tile in range(first_tile, tail_tile):
-                m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
-                    may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
-                    block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
-                    new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                    False, UNMASKED_FULL_TILES, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE,
-                    IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE,
-                    JOINT_ROW_SUMS)
-            # not pipelined: the tail is a tile or two per program (int4_saw's decode: at most one, in the last split).
-            # Its first tile's loads start once the first loop is done, pipelined or not (as the last tile of one
-            # loop they were prefetched during the tile before: what the split costs); a pipeline would overlap
-            # only a second tile's loads, for more code and shared memory, and buffering int4_kivi's 16-bit
-            # original-key tiles would take the shared memory that lets a second program share the SM (occupancy).
-            for tile in tl.range(tail_tile, last_tile, num_stages=1):
-                m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
-                    may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
-                    block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
-                    new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                    True, False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE, JOINT_ROW_SUMS)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+        acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
+        # Two loops: the tiles every live row sees wholly, then the program's tail. int4_kivi's tail starts at
+        # the program's own blocks, so the per-channel tiles before them cost neither registers nor branches
+        # for the own-block path (original keys, a second score matrix). With UNMASKED_FULL_TILES the first
+        # loop runs without masks (LaunchConfig.unmasked_full_tiles), and int4_saw's tail starts at the first
+        # tile holding a key past the first row's position (the program's smallest: later rows see more);
+        # without it int4_saw runs every tile in the first loop, masked.
+        tail_tile = last_tile
+        if IS_KIVI:
+            tail_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
+        elif UNMASKED_FULL_TILES:
+            tail_tile = tl.maximum(tl.minimum((context + local_block * BLOCK_Q + 1) // TILE, last_tile),
+                                   first_tile)
+        for tile in range(first_tile, tail_tile):
+            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
+                tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
+                may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
+                block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
+                new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
+                False, UNMASKED_FULL_TILES, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE,
+                IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE,
+                JOINT_ROW_SUMS)
+        # not pipelined: the tail is a tile or two per program (int4_saw's decode: at most one, in the last split).
+        # Its first tile's loads start once the first loop is done, pipelined or not (as the last tile of one
+        # loop they were prefetched during the tile before: what the split costs); a pipeline would overlap
+        # only a second tile's loads, for more code and shared memory, and buffering int4_kivi's 16-bit
+        # original-key tiles would take the shared memory that lets a second program share the SM (occupancy).
+        for tile in tl.range(tail_tile, last_tile, num_stages=1):
+            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
+                tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
+                may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
+                block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
+                new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
+                True, False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
+                CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE, JOINT_ROW_SUMS)
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * (CODE_SCALE * HIGH_PART_SCALE) + acc_min[:, None]
 
@@ -796,13 +708,11 @@ def _merge_splits_kernel(
 
 
 class DecodePlan(NamedTuple):
-    """How a decode batch runs. ``splits``: the split count (the grid's third axis); ``warp_split``: the scheme's
-    WARP_SPLIT_LAUNCH instead of DECODE_LAUNCH; ``min_split_tiles``: the fewest tiles a split takes, so a context of
-    fewer than splits x min_split_tiles tiles fills fewer splits (the rest exit at once): the split count a sequence
-    gets follows its context inside the batch's fixed grid."""
+    """How a decode batch runs. ``splits``: the split count (the grid's third axis); ``min_split_tiles``: the fewest
+    tiles a split takes, so a context of fewer than splits x min_split_tiles tiles fills fewer splits (the rest exit
+    at once): the split count a sequence gets follows its context inside the batch's fixed grid."""
 
     splits: int
-    warp_split: bool = False
     min_split_tiles: int = 1
 
     def live_splits(self, num_tiles: int) -> int:
@@ -811,14 +721,13 @@ class DecodePlan(NamedTuple):
 
 
 # Split-KV decode per scheme, by the KV-head programs per SM a batch gives unsplit (num_seqs * num_kv_heads / SMs):
-# (up to this many per SM, splits, warp split, min split tiles) (DecodePlan's fields), first match. A function of the
+# (up to this many per SM, splits, min split tiles) (DecodePlan's fields), first match. A function of the
 # batch size only, for a model and device, so every CUDA graph (captured per batch size) keeps its grid. Measured on
 # the H200 at each scheme's launches (tools/device/sweep_splits.py; `--apply` writes this table).
 DECODE_SPLITS = {
-    "int4_kivi": ((0.043, 64, False, 1), (0.343, 32, False, 1), (0.686, 16, False, 2), (1.371, 16, False, 4),
-                  (5.485, 2, False, 1), (math.inf, 1, False, 1)),
-    "int4_saw": ((0.043, 64, False, 1), (0.121, 32, False, 1), (0.343, 16, False, 1), (0.686, 8, False, 2),
-                 (1.371, 8, False, 4), (2.743, 2, False, 1), (math.inf, 1, False, 1)),
+    "int4_kivi": ((0.043, 64, 1), (0.343, 32, 1), (0.686, 16, 2), (1.371, 16, 4), (5.485, 2, 1), (math.inf, 1, 1)),
+    "int4_saw": ((0.043, 64, 1), (0.121, 32, 1), (0.343, 16, 1), (0.686, 8, 2), (1.371, 8, 4), (2.743, 2, 1),
+                 (math.inf, 1, 1)),
 }
 
 
@@ -936,26 +845,11 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     plan = workspace.plan(num_seqs) if (decode and workspace is not None) else DecodePlan(1)
     if decode:
         block_m = max(16, next_power_of_2(group))
-        if launch is None:
-            # the warp-split launch where the split rule picks it and the page holds its whole tile
-            warp_launch = WARP_SPLIT_LAUNCH.get(scheme.name)
-            use_warps = (plan.warp_split and warp_launch is not None
-                         and tile_tokens(block_size, warp_launch.tile) == warp_launch.tile)
-            launch = warp_launch if use_warps else DECODE_LAUNCH[scheme.name]
-        block_q = 1
+        block_q, launch = 1, launch or DECODE_LAUNCH[scheme.name]
     else:
         block_m = max(64, next_power_of_2(group))
         block_q, launch = block_m // group, launch or PREFILL_LAUNCH
     tile = tile_tokens(block_size, launch.tile)
-    if launch.warp_split and (not decode or scheme.is_kivi or tile // launch.num_warps < 16):
-        raise ValueError(f"LaunchConfig.warp_split is a decode launch for keys per token (int4_saw) with at least 16 "
-                         f"tokens per warp, got {scheme.name}, max_query_len {max_query_len}, a {tile}-token tile "
-                         f"over {launch.num_warps} warps")
-    for option, warp_loop in (("wide_code_loads", "reads codes a byte at a time"),
-                              ("unmasked_full_tiles", "masks every tile"),
-                              ("joint_row_sums", "sums each warp's rows in registers")):
-        if launch.warp_split and getattr(launch, option):
-            raise ValueError(f"LaunchConfig.{option} is a tile-loop option: the warp-split loop {warp_loop}")
     if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
         if not default_launch:
             raise ValueError(f"LaunchConfig.subnormal_codes is validated on the GPU at head_dim "
@@ -991,7 +885,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile, BLOCK_SIZE=block_size,
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
-        PAIRED_PARAMS=launch.paired_param_loads, WARP_SPLIT=launch.warp_split, WARPS=launch.num_warps,
+        PAIRED_PARAMS=launch.paired_param_loads,
         MIN_SPLIT_TILES=plan.min_split_tiles, DECODE=decode, WIDE_CODES=launch.wide_code_loads,
         HIGH_PART_SCALE=_high_part_scale(launch, query.dtype), LAUNCH_MERGE=dependent_merge,
         UNMASKED_FULL_TILES=launch.unmasked_full_tiles, JOINT_ROW_SUMS=launch.joint_row_sums,

@@ -19,26 +19,17 @@ def test_candidates_bound_the_grid_by_programs_per_sm():
     assert sweep_splits.split_candidates(4096, 8, 132) == [1]
 
 
-def rows(times_by_case, shape="qwen2.5-7b", batch=32, warp_split=False):
-    return [dict(shape=shape, batch=batch, context=context, method=scheme, splits=splits, us=us, num_sms=132,
-                 warp_split=warp_split)
+def rows(times_by_case, shape="qwen2.5-7b", batch=32, **fields):
+    return [dict(shape=shape, batch=batch, context=context, method=scheme, splits=splits, us=us, num_sms=132, **fields)
             for (scheme, context), by_split in times_by_case.items() for splits, us in by_split.items()]
 
 
-def test_each_scheme_sweeps_its_decode_launches():
-    from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH, decode_launches
-
-    assert decode_launches("int4_kivi") == [DECODE_LAUNCH["int4_kivi"]]
-    assert decode_launches("int4_saw") == [DECODE_LAUNCH["int4_saw"], WARP_SPLIT_LAUNCH["int4_saw"]]
-
-
-def test_choose_weighs_the_warp_split_launch_as_one_more_candidate():
-    measured = rows({("int4_saw", 4096): {4: 100.0, 8: 90.0}, ("int4_saw", 32768): {4: 600.0, 8: 580.0}}) + \
-        rows({("int4_saw", 4096): {4: 95.0, 8: 120.0}, ("int4_saw", 32768): {4: 400.0, 8: 420.0}}, warp_split=True)
+def test_choose_leaves_out_an_older_sweeps_warp_split_rows():
+    """Sweeps before the warp-split loop was removed timed it as candidates: a plan cannot name it any more."""
+    measured = rows({("int4_saw", 4096): {4: 100.0, 8: 90.0}}) + \
+        rows({("int4_saw", 4096): {4: 50.0, 8: 60.0}}, warp_split=True)
     pick = sweep_splits.choose_splits(measured)["int4_saw"][128]
-    # warp split at 4 splits: worst 95/90 = 1.06x; the tile loop's best (8) is 580/400 = 1.45x at 32k
-    assert (pick["splits"], pick["warp_split"]) == (4, True)
-    assert abs(pick["worst"] - 95 / 90) < 1e-9
+    assert pick["splits"] == 8 and pick["cases"] == {("qwen2.5-7b", 4096): (90.0, 90.0)}
 
 
 def test_choose_minimizes_the_worst_slowdown_over_contexts_per_scheme():
@@ -51,7 +42,7 @@ def test_choose_minimizes_the_worst_slowdown_over_contexts_per_scheme():
     # split counts alone: 8 worst 500/450 = 1.11x; 32: 150/90 = 1.67x; 4: 600/450 = 1.33x. But 32 splits of at least
     # 4 tiles run 8 live splits at 4k (32 tiles) and 32 at 32k (256): the fastest count at both, the 4k one estimated
     # with the margin for its empty splits
-    assert (kivi["splits"], kivi["warp_split"], kivi["min_split_tiles"]) == (32, False, 4)
+    assert (kivi["splits"], kivi["min_split_tiles"]) == (32, 4)
     assert kivi["worst"] == pytest.approx(sweep_splits.MIN_TILES_MARGIN)
     assert kivi["cases"][("qwen2.5-7b", 4096)] == (pytest.approx(90.0 * sweep_splits.MIN_TILES_MARGIN), 90.0)
     assert chosen["int4_saw"][128]["splits"] == 4
@@ -74,9 +65,8 @@ def test_choose_ignores_counts_missing_from_a_case():
 def test_split_table_bounds_at_geometric_midpoints_and_merges_equal_neighbours():
     chosen = {4: {"splits": 64}, 32: {"splits": 16}, 128: {"splits": 16}, 1024: {"splits": 2}, 2048: {"splits": 1}}
     table = sweep_splits.split_table(chosen, 132)
-    assert table == ((round((4 * 32) ** 0.5 / 132, 3), 64, False, 1),
-                     (round((128 * 1024) ** 0.5 / 132, 3), 16, False, 1),
-                     (round((1024 * 2048) ** 0.5 / 132, 3), 2, False, 1), (float("inf"), 1, False, 1))
+    assert table == ((round((4 * 32) ** 0.5 / 132, 3), 64, 1), (round((128 * 1024) ** 0.5 / 132, 3), 16, 1),
+                     (round((1024 * 2048) ** 0.5 / 132, 3), 2, 1), (float("inf"), 1, 1))
 
 
 def test_split_table_carries_min_split_tiles_and_drops_it_at_one_split():
@@ -84,43 +74,33 @@ def test_split_table_carries_min_split_tiles_and_drops_it_at_one_split():
               1024: {"splits": 1, "min_split_tiles": 1}, 2048: {"splits": 4, "min_split_tiles": 64}}
     table = sweep_splits.split_table(chosen, 132)
     # 2048's 4 splits are capped at the 1 before them, where a minimum means nothing: it merges into 1024's entry
-    assert [entry[1:] for entry in table] == [(16, False, 2), (4, False, 8), (1, False, 1)]
-
-
-def test_split_table_keeps_the_launch_and_caps_splits_only_on_the_same_launch():
-    chosen = {4: {"splits": 64, "warp_split": False}, 128: {"splits": 8, "warp_split": True},
-              512: {"splits": 16, "warp_split": True}, 1024: {"splits": 16, "warp_split": False}}
-    table = sweep_splits.split_table(chosen, 132)
-    # 512's 16 is capped at the warp-split 8 before it; 1024's 16 follows a warp-split point, so it stands
-    assert [entry[1:] for entry in table] == [(64, False, 1), (8, True, 1), (16, False, 1)]
-    assert table[1][0] == round((512 * 1024) ** 0.5 / 132, 3)
+    assert [entry[1:] for entry in table] == [(16, 2), (4, 8), (1, 1)]
 
 
 def test_apply_rewrites_the_kernels_tables_and_the_rule_reads_them():
     from s4kv.kernels import attention
 
     source = sweep_splits.ATTENTION_SOURCE.read_text()
-    tables = {"int4_kivi": ((0.5, 32, False, 1), (2.0, 4, False, 2), (float("inf"), 1, False, 1)),
-              "int4_saw": ((1.0, 8, False, 4), (float("inf"), 2, True, 1))}
+    tables = {"int4_kivi": ((0.5, 32, 1), (2.0, 4, 2), (float("inf"), 1, 1)),
+              "int4_saw": ((1.0, 8, 4), (float("inf"), 2, 1))}
     written = sweep_splits.apply_split_tables(source, tables)
     assert written.count("DECODE_SPLITS = {") == 1
     namespace = {"math": __import__("math")}
     exec(sweep_splits.DECODE_SPLITS_BLOCK.search(written).group(0), namespace)
     assert namespace["DECODE_SPLITS"] == tables
     kivi, saw = namespace["DECODE_SPLITS"]["int4_kivi"], namespace["DECODE_SPLITS"]["int4_saw"]
-    assert attention.decode_plan(33, 4, 132, kivi) == attention.DecodePlan(4, False, 2)  # 1.0 per SM
-    assert attention.decode_plan(33, 4, 132, saw) == attention.DecodePlan(8, False, 4)
-    assert attention.decode_plan(34, 4, 132, saw) == attention.DecodePlan(2, True, 1)
+    assert attention.decode_plan(33, 4, 132, kivi) == attention.DecodePlan(4, 2)  # 1.0 per SM
+    assert attention.decode_plan(33, 4, 132, saw) == attention.DecodePlan(8, 4)
+    assert attention.decode_plan(34, 4, 132, saw) == attention.DecodePlan(2, 1)
     with pytest.raises(ValueError, match="no split table for int4_saw"):
         sweep_splits.apply_split_tables(source, {"int4_kivi": tables["int4_kivi"]})
 
 
 def test_render_marks_the_fastest_count():
-    measured = rows({("int4_saw", 4096): {4: 100.0, 8: 90.0}}) + rows({("int4_saw", 4096): {4: 85.0}},
-                                                                     warp_split=True)
-    measured[0]["committed_splits"] = "w4"
+    measured = rows({("int4_saw", 4096): {4: 100.0, 8: 90.0, 16: 95.0}})
+    measured[0]["committed_splits"] = "16/2"
     table = sweep_splits.render(measured)
-    assert "4:100 8:90 w4:85* | w4 |" in table
+    assert "4:100 8:90* 16:95 | 16/2 |" in table
 
 
 def test_committed_rows_keep_fa3_and_the_rules_candidate_per_scheme(tmp_path):
@@ -130,9 +110,8 @@ def test_committed_rows_keep_fa3_and_the_rules_candidate_per_scheme(tmp_path):
     measured = []
     for batch in (1, 32, 256):
         for scheme in sweep_splits.SCHEMES:
-            for warp_split in (False, True):
-                by_split = {s: 10.0 * s + warp_split for s in (1, 2, 4, 8, 16, 32, 64)}
-                measured += rows({(scheme, 4096): by_split}, batch=batch, warp_split=warp_split)
+            by_split = {s: 10.0 * s for s in (1, 2, 4, 8, 16, 32, 64)}
+            measured += rows({(scheme, 4096): by_split}, batch=batch)
         measured.append(dict(shape="qwen2.5-7b", batch=batch, context=4096, method="fa3_bf16", splits=None,
                              us=80.0, gbps=1000.0, num_sms=132))
     for r in measured:
@@ -144,7 +123,7 @@ def test_committed_rows_keep_fa3_and_the_rules_candidate_per_scheme(tmp_path):
         for scheme in sweep_splits.SCHEMES:
             (row,) = [r for r in picked if r["method"] == scheme and r["batch"] == batch]
             plan = decode_plan(batch, 4, 132, DECODE_SPLITS[scheme])
-            assert row["ms"] == pytest.approx((10.0 * plan.splits + plan.warp_split) / 1e3)
+            assert row["ms"] == pytest.approx(10.0 * plan.splits / 1e3)
     source = tmp_path / "sweep_splits.json"
     source.write_text(json.dumps(measured))
     assert plot_kernels.main([str(source), "--sweep", "--out", str(tmp_path / "decode.png")]) == 0
@@ -173,7 +152,7 @@ def test_choose_estimates_min_split_tiles_from_the_counts_measured():
     for r in measured:
         r["tile"] = 128
     pick = sweep_splits.choose_splits(measured)["int4_saw"][256]
-    assert (pick["splits"], pick["warp_split"], pick["min_split_tiles"]) == (8, False, 4)
+    assert (pick["splits"], pick["min_split_tiles"]) == (8, 4)
     margin = sweep_splits.MIN_TILES_MARGIN
     assert pick["worst"] == pytest.approx(52 * margin / 50)
     assert pick["cases"][("qwen2.5-7b", 1024)] == (pytest.approx(52 * margin), 50.0)
@@ -225,21 +204,18 @@ def test_choose_reads_several_sweeps_the_later_replacing_the_earlier(tmp_path, c
     assert sweep_splits.main() == 0
     printed = capsys.readouterr().out
     # batch 256 (1024 KV-head programs) by the newer sweep, batch 8 (32) by the older one, which the newer lacks
-    assert "int4_saw at 1024 KV-head programs: 1 splits on DECODE_LAUNCH, worst case 1.00x" in printed
-    assert "int4_saw at 32 KV-head programs: 1 splits on DECODE_LAUNCH, worst case 1.00x" in printed
+    assert "int4_saw at 1024 KV-head programs: 1 splits, worst case 1.00x" in printed
+    assert "int4_saw at 32 KV-head programs: 1 splits, worst case 1.00x" in printed
 
 
-def test_each_case_times_every_count_on_each_launch_then_the_committed_plan():
-    from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH, SplitWorkspace
+def test_each_case_times_every_count_then_the_committed_plan():
+    from s4kv.kernels.attention import SplitWorkspace
 
     rule = SplitWorkspace.allocate(28, 4, 128, "cpu", "int4_saw", max_num_seqs=8, num_sms=132)
     candidates = list(sweep_splits._candidates("int4_saw", 8, 28, 4, 132, "cpu", SplitWorkspace, rule))
     counts = sweep_splits.split_candidates(8, 4, 132)
-    assert [launch for _, _, launch in candidates[:-1]] == \
-        [DECODE_LAUNCH["int4_saw"]] * len(counts) + [WARP_SPLIT_LAUNCH["int4_saw"]] * len(counts)
-    assert [(f["splits"], ws.plan(8).splits) for f, ws, _ in candidates[:len(counts)]] == [(s, s) for s in counts]
-    fields, workspace, launch = candidates[-1]
+    assert [(f["splits"], ws.plan(8).splits) for f, ws in candidates[:-1]] == [(s, s) for s in counts]
+    fields, workspace = candidates[-1]
     plan = rule.plan(8)
-    assert workspace is rule and launch is None  # the backend's own choice of launch
-    assert fields == dict(splits=plan.splits, warp_split=plan.warp_split, min_split_tiles=plan.min_split_tiles,
-                          tile=128, committed=True)
+    assert workspace is rule
+    assert fields == dict(splits=plan.splits, min_split_tiles=plan.min_split_tiles, tile=128, committed=True)

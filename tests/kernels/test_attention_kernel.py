@@ -16,8 +16,8 @@ from kv_batches import (assert_poisoned_rows, cache_with_prefix, make_paged_batc
                         scheme_head_dims, unquantized_attention, with_guard_blocks)
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.attention import (CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SUBNORMAL_HEAD_DIMS,
-                                    WARP_SPLIT_LAUNCH, SplitWorkspace, paged_attention)
+from s4kv.kernels.attention import (CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SUBNORMAL_HEAD_DIMS, SplitWorkspace,
+                                    paged_attention)
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import store_kv
@@ -66,11 +66,6 @@ def run_reference(batch, cache, scheme) -> torch.Tensor:
                                SOFTMAX_SCALE, scheme)
 
 
-def warp_split_launch(kernel_device):
-    """int4_saw's warp-split decode launch as the device runs it (inline PTX only where it is compiled)."""
-    return dataclasses.replace(WARP_SPLIT_LAUNCH["int4_saw"], ptx_unpack=kernel_device.type == "cuda")
-
-
 def assert_attention_close(out, expected, what: str) -> None:
     assert out.shape == expected.shape, f"{what}: output shape {tuple(out.shape)}"
     nan_rows = torch.isnan(out).flatten(1).any(1)
@@ -99,20 +94,17 @@ def test_mixed_prefill_and_decode_batch(gen, kernel_device, scheme_name, head_di
 
 
 @pytest.mark.parametrize(
-    "scheme_name, group, num_splits, head_dim, warp_split",
+    "scheme_name, group, num_splits, head_dim",
     [
-        ("saw128", 1, 16, 128, False), ("saw128", 4, None, 128, False), ("saw128", 7, 8, 128, False),
-        ("saw64-rotv", 4, 16, 128, False), ("saw32", 7, None, 128, False), ("saw128-rotv", 1, 8, 128, False),
-        ("saw64-rotv", 4, 16, 64, False), ("saw32", 1, 4, 64, False),
-        ("saw128", 7, None, 128, True), ("saw128-rotv", 4, 8, 128, True), ("saw32", 1, 16, 128, True),
-        ("saw64-rotv", 4, 4, 64, True),
+        ("saw128", 1, 16, 128), ("saw128", 4, None, 128), ("saw128", 7, 8, 128), ("saw64-rotv", 4, 16, 128),
+        ("saw32", 7, None, 128), ("saw128-rotv", 1, 8, 128), ("saw64-rotv", 4, 16, 64), ("saw32", 1, 4, 64),
+        ("saw128", 7, None, 128), ("saw128-rotv", 4, 8, 128), ("saw32", 1, 16, 128), ("saw64-rotv", 4, 4, 64),
     ],
 )
 def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, scheme_name, group, num_splits,
-                                                       head_dim, warp_split):
-    """max_query_len 1. num_splits None: no workspace (one pass); 4-16 splits (at 16, some empty). warp_split: each
-    warp its own tokens and softmax state (LaunchConfig.warp_split), contexts at page edges and within a warp's
-    first tokens."""
+                                                       head_dim):
+    """max_query_len 1. num_splits None: no workspace (one pass); 4-16 splits (at 16, some empty); contexts at page
+    edges and within a tile's first tokens."""
     scheme = SCHEMES[scheme_name]
     num_q_heads, num_kv_heads = heads_for(group)
     batch = make_paged_batch(gen, DECODE, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
@@ -125,10 +117,8 @@ def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, schem
                                             max_num_seqs=len(DECODE), num_splits=num_splits)
         workspace.part_acc.fill_(float("nan"))
         workspace.part_ml.fill_(float("nan"))
-    launch = warp_split_launch(kernel_device) if warp_split else None
-    assert_attention_close(run_kernel(batch, cache, scheme, workspace, launch), run_reference(batch, cache, scheme),
-                           f"{scheme_name} GQA {group} num_splits {num_splits} head_dim {head_dim} warp split "
-                           f"{warp_split}")
+    assert_attention_close(run_kernel(batch, cache, scheme, workspace), run_reference(batch, cache, scheme),
+                           f"{scheme_name} GQA {group} num_splits {num_splits} head_dim {head_dim}")
 
 
 @pytest.mark.parametrize("head_dim", [128, 64])
@@ -291,72 +281,16 @@ def test_dependent_merge_is_refused_by_the_interpreter():
                         torch.empty_like(q), workspace=workspace, launch=launch)
 
 
-@pytest.mark.parametrize("option", ["wide_code_loads", "unmasked_full_tiles", "joint_row_sums"])
-def test_tile_loop_options_are_refused_with_the_warp_split_loop(option):
-    """The warp-split loop reads codes a byte at a time, masks every tile and sums each warp's rows in registers:
-    asking for it with a tile-loop option is an error, never one of them silently."""
-    scheme = SCHEMES["saw128"]
-    q = torch.zeros(1, 8, 128, dtype=torch.float16)
-    launch = dataclasses.replace(WARP_SPLIT_LAUNCH[scheme.name], ptx_unpack=False, **{option: True})
-    with pytest.raises(ValueError, match=f"{option} is a tile-loop option"):
-        paged_attention(q, torch.zeros(2, 2, 136 * 128, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.int32),
-                        torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.1, scheme,
-                        torch.empty_like(q), launch=launch)
-
-
-def test_split_rule_picks_the_warp_split_launch(gen, kernel_device, monkeypatch):
-    """A batch size the split table marks for the warp split runs WARP_SPLIT_LAUNCH with the default launch (the
-    same output, bit for bit, as asking for it), and the tile loop elsewhere."""
-    from s4kv.kernels import attention
-
-    scheme = SCHEMES["saw128"]
-    batch = make_paged_batch(gen, DECODE[:2], 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
-    cache = cache_with_prefix(batch, scheme, gen, kernel_device)
-    store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    monkeypatch.setitem(attention.DECODE_SPLITS, "int4_saw", ((0.25, 4, False, 1), (float("inf"), 2, True, 1)))
-    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, "int4_saw", max_num_seqs=4, num_sms=8)
-    assert [(plan.splits, plan.warp_split) for plan in workspace.plans] == [(1, False), (4, False)] + [(2, True)] * 3
-    fixed = SplitWorkspace.allocate(8, 2, 128, kernel_device, max_num_seqs=4, num_splits=2)
-    default = run_kernel(batch, cache, scheme, workspace)
-    torch.testing.assert_close(default, run_kernel(batch, cache, scheme, fixed, warp_split_launch(kernel_device)),
-                               rtol=0, atol=0)
-    assert not torch.equal(default, run_kernel(batch, cache, scheme, fixed))
-
-
-def test_warp_split_is_refused_where_it_does_not_apply(gen, kernel_device):
-    """Prefill rows, int4_kivi's per-channel keys and tiles under 16 tokens per warp get a clear error."""
-    launch = warp_split_launch(kernel_device)
-    batch = make_paged_batch(gen, [(0, 3)], 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
-    cache = cache_with_prefix(batch, SCHEMES["saw128"], gen, kernel_device)
-    with pytest.raises(ValueError, match="warp_split is a decode launch.*max_query_len 3"):
-        run_kernel(batch, cache, SCHEMES["saw128"], launch=launch)
-    decode = make_paged_batch(gen, [(40, 1)], 8, 2, block_size=32, dtype=torch.float16, device=kernel_device)
-    with pytest.raises(ValueError, match="a 32-token tile over 4 warps"):
-        run_kernel(decode, cache_with_prefix(decode, SCHEMES["saw128"], gen, kernel_device), SCHEMES["saw128"],
-                   launch=launch)
-    query = torch.zeros(1, 8, 128, dtype=torch.float16, device=kernel_device)
-    with pytest.raises(ValueError, match="warp_split is a decode launch.*int4_kivi"):
-        paged_attention(query, torch.zeros(2, 2, 128 * 136, dtype=torch.uint8, device=kernel_device),
-                        torch.zeros(1, 2, dtype=torch.int32, device=kernel_device),
-                        torch.ones(1, dtype=torch.int32, device=kernel_device),
-                        torch.arange(2, dtype=torch.int32, device=kernel_device), 1, SOFTMAX_SCALE, KIVI,
-                        torch.empty_like(query), launch=launch, new_keys=query.new_zeros(1, 2, 128),
-                        staged_keys=query.new_zeros(1, 2, 128, 128),
-                        sequence_slots=torch.zeros(1, dtype=torch.int32, device=kernel_device))
-
-
-@pytest.mark.parametrize("warp_split", [False, True], ids=["split-kv", "warp-split"])
-def test_decode_paths_agree_with_the_one_pass_tile_loop(gen, kernel_device, warp_split):
-    """Split-KV and the warp-split loop only reorder the softmax sums: each agrees with the one-pass tile loop far
-    tighter than either does with fp32."""
+def test_split_kv_agrees_with_the_one_pass_tile_loop(gen, kernel_device):
+    """Split-KV only reorders the softmax sums: it agrees with the one-pass tile loop far tighter than either does
+    with fp32."""
     scheme = SCHEMES["saw128"]
     batch = make_paged_batch(gen, DECODE, 8, 2, block_size=128, dtype=torch.float16, device=kernel_device)
     cache = cache_with_prefix(batch, scheme, gen, kernel_device)
     store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, num_splits=4 if warp_split else 16)
+    workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, num_splits=16)
     one_pass = run_kernel(batch, cache, scheme)
-    other = run_kernel(batch, cache, scheme, workspace, warp_split_launch(kernel_device) if warp_split else None)
-    torch.testing.assert_close(other, one_pass, rtol=5e-3, atol=5e-3)
+    torch.testing.assert_close(run_kernel(batch, cache, scheme, workspace), one_pass, rtol=5e-3, atol=5e-3)
 
 
 def test_shuffled_block_table_changes_nothing_but_the_page_order(gen, kernel_device):
@@ -376,10 +310,9 @@ def test_shuffled_block_table_changes_nothing_but_the_page_order(gen, kernel_dev
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("specs, warp_split", [(DECODE, False), (DECODE, True), (MIXED[:4], False)],
-                         ids=["decode", "decode-warp-split", "mixed"])
+@pytest.mark.parametrize("specs", [DECODE, MIXED[:4]], ids=["decode", "mixed"])
 @pytest.mark.parametrize("with_workspace", [False, True])
-def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, specs, warp_split, with_workspace):
+def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, specs, with_workspace):
     """As vLLM pads a batch to a CUDA-graph size: extra query rows past query_start_loc[-1], and padded
     sequences with no query tokens (seq_len 0, or 1 as set at capture) whose block-table rows are null."""
     scheme = SCHEMES["saw128"]
@@ -397,7 +330,7 @@ def test_cuda_graph_padding_rows_and_empty_sequences(gen, kernel_device, specs, 
     workspace = SplitWorkspace.allocate(8, 2, 128, kernel_device, num_splits=16) if with_workspace else None
     out = torch.full_like(query, float("nan"))
     paged_attention(query, cache, block_table, seq_lens, query_start_loc, batch.max_query_len, SOFTMAX_SCALE,
-                    scheme, out, workspace=workspace, launch=warp_split_launch(kernel_device) if warp_split else None)
+                    scheme, out, workspace=workspace)
     assert_attention_close(out[:num_tokens], expected, "padded batch")
 
 

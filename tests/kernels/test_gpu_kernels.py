@@ -29,8 +29,8 @@ from kv_batches import (
 )
 
 from s4kv.kernels import reference as ref
-from s4kv.kernels.attention import (CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SUBNORMAL_HEAD_DIMS, WARP_SPLIT_LAUNCH,
-                                    SplitWorkspace, paged_attention)
+from s4kv.kernels.attention import (CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SUBNORMAL_HEAD_DIMS, SplitWorkspace,
+                                    paged_attention)
 from s4kv.kernels.dense import gather_dense_kv
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import stage_open_keys, store_kv
@@ -138,23 +138,6 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
     launch = DECODE_LAUNCH[scheme.name] if batch.max_query_len == 1 else PREFILL_LAUNCH
     check_attention(error_table, batch, cache, scheme, dataclasses.replace(launch, **CODE_PATHS[codes]),
                     f"| {shape} | {dtype_name} | {scheme_name} | {codes} | {kind}", f"{mismatch:.2%}")
-
-
-@pytest.mark.parametrize("codes", list(CODE_PATHS))
-@pytest.mark.parametrize("scheme_name,shape", [(scheme, shape) for scheme, shape in SCHEME_SHAPES if scheme != "kivi"])
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_warp_split_decode_at_real_sizes(request, error_table, dtype_name, scheme_name, shape, codes):
-    """int4_saw's warp-split decode launch (WARP_SPLIT_LAUNCH) with each code path, 64 decodes of 1k-8k tokens."""
-    scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
-    num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
-    gen = gpu_gen(request)
-    batch = make_paged_batch(gen, batch_specs("decode64", gen), num_q_heads, num_kv_heads, block_size=128,
-                             dtype=dtype, device="cuda", num_padding=8, head_dim=head_dim)
-    cache = cache_with_prefix(batch, scheme, gen, "cuda")
-    store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    launch = dataclasses.replace(WARP_SPLIT_LAUNCH["int4_saw"], **CODE_PATHS[codes])
-    check_attention(error_table, batch, cache, scheme, launch,
-                    f"| {shape} | {dtype_name} | {scheme_name} | {codes}, warp split | decode64", "-")
 
 
 def check_attention(error_table, batch, cache, scheme, launch, row_start: str, mismatch: str) -> None:

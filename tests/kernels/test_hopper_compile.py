@@ -23,11 +23,10 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     # attention 4 code paths x (split decode, plain decode, prefill), merge 4 x 1, store 1 (K and V), dense gather
     # 1; at head_dim 64 the default code path only: attention 3, merge 1, store 1, dense 1; and per head_dim and
     # dtype, KIVI's store with its staging pool also closes over every row and stages (1 + 1), a second store closes
-    # over listed rows (store 1, close 1), and its own-key gather (1); per int4_saw scheme, head_dim and dtype the
-    # warp-split decode (attention and merge, 8 each); per scheme, head_dim and dtype the split decode with a
-    # dependent merge, unmasked full tiles and joint row sums (attention and merge, 12 each), and the prefill with
-    # unmasked full tiles (attention 12)
-    assert launches == {"_paged_attention_kernel": 72 + 18 + 8 + 12 + 12, "_merge_splits_kernel": 24 + 6 + 8 + 12,
+    # over listed rows (store 1, close 1), and its own-key gather (1); per scheme, head_dim and dtype the split
+    # decode with a dependent merge, unmasked full tiles and joint row sums (attention and merge, 12 each), and the
+    # prefill with unmasked full tiles (attention 12)
+    assert launches == {"_paged_attention_kernel": 72 + 18 + 12 + 12, "_merge_splits_kernel": 24 + 6 + 12,
                         "_store_per_token_kernel": 12 + 4, "_kivi_close_kernel": 4 + 4,
                         "_kivi_stage_kernel": 4, "_gather_dense_kernel": 6 + 6,
                         "_gather_own_keys_kernel": 4}, launches

@@ -10,8 +10,8 @@ import torch
 from kv_batches import relative_error
 from own_block_oracle import batch_rule_attention, stored_step
 
-from s4kv.kernels.attention import (DECODE_LAUNCH, DECODE_SPLITS, WARP_SPLIT_LAUNCH, DecodePlan, SplitWorkspace,
-                                    decode_plan, paged_attention)
+from s4kv.kernels.attention import (DECODE_LAUNCH, DECODE_SPLITS, DecodePlan, SplitWorkspace, decode_plan,
+                                    paged_attention)
 from s4kv.kernels.layout import tile_tokens
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import SCHEMES
@@ -25,22 +25,19 @@ def test_every_scheme_has_an_ordered_table_that_ends_unbounded(scheme_name):
     plans = [DecodePlan(*entry[1:]) for entry in table]
     for plan in plans:  # the merge kernel tiles splits by a power of 2
         assert plan.splits >= 1 and plan.splits & (plan.splits - 1) == 0 and plan.min_split_tiles >= 1
-    for launch in (False, True):  # on one launch, a larger batch never gets more splits
-        splits = [plan.splits for plan in plans if plan.warp_split == launch]
-        assert splits == sorted(splits, reverse=True)
-    if scheme_name not in WARP_SPLIT_LAUNCH:
-        assert not any(plan.warp_split for plan in plans)
+    splits = [plan.splits for plan in plans]  # a larger batch never gets more splits
+    assert splits == sorted(splits, reverse=True)
 
 
 def test_rule_reads_kv_head_programs_per_sm():
-    table = ((0.25, 64, False, 1), (1.0, 8, False, 2), (4.0, 2, True, 1), (math.inf, 1, True, 1))
-    assert decode_plan(1, 4, 132, table) == DecodePlan(64, False, 1)  # 4 / 132 per SM
-    assert decode_plan(33, 4, 132, table) == DecodePlan(8, False, 2)  # 132 / 132 = 1.0: inclusive bound
-    assert decode_plan(34, 4, 132, table) == DecodePlan(2, True, 1)
-    assert decode_plan(66, 8, 132, table) == DecodePlan(2, True, 1)  # 528 / 132 = 4.0
-    assert decode_plan(256, 8, 132, table) == DecodePlan(1, True, 1)
+    table = ((0.25, 64, 1), (1.0, 8, 2), (4.0, 2, 1), (math.inf, 1, 1))
+    assert decode_plan(1, 4, 132, table) == DecodePlan(64, 1)  # 4 / 132 per SM
+    assert decode_plan(33, 4, 132, table) == DecodePlan(8, 2)  # 132 / 132 = 1.0: inclusive bound
+    assert decode_plan(34, 4, 132, table) == DecodePlan(2, 1)
+    assert decode_plan(66, 8, 132, table) == DecodePlan(2, 1)  # 528 / 132 = 4.0
+    assert decode_plan(256, 8, 132, table) == DecodePlan(1, 1)
     # the same batch on a device with twice the SMs spreads twice as thin: more splits
-    assert decode_plan(34, 4, 264, table) == DecodePlan(8, False, 2)
+    assert decode_plan(34, 4, 264, table) == DecodePlan(8, 2)
 
 
 @pytest.mark.parametrize("scheme_name", SCHEMES)
@@ -59,11 +56,11 @@ def test_workspace_holds_the_largest_batch_times_its_splits(scheme_name, num_q_h
 
 def test_live_splits_follow_the_plan():
     assert DecodePlan(64).live_splits(8) == 8  # 8 tiles, one each
-    assert DecodePlan(64, False, 4).live_splits(8) == 2
-    assert DecodePlan(4, False, 16).live_splits(256) == 4  # 64 tiles each, above the minimum
-    assert DecodePlan(4, False, 16).live_splits(32) == 2
+    assert DecodePlan(64, 4).live_splits(8) == 2
+    assert DecodePlan(4, 16).live_splits(256) == 4  # 64 tiles each, above the minimum
+    assert DecodePlan(4, 16).live_splits(32) == 2
     assert DecodePlan(16).live_splits(40) == 14  # 3 tiles each: the 14th holds the last one
-    assert DecodePlan(1, True, 1).live_splits(256) == 1
+    assert DecodePlan(1, 1).live_splits(256) == 1
 
 
 def test_workspace_refuses_a_batch_above_max_num_seqs():
@@ -74,7 +71,7 @@ def test_workspace_refuses_a_batch_above_max_num_seqs():
 
 def test_fixed_split_count_for_every_batch_size():
     ws = SplitWorkspace.allocate(8, 2, 64, "cpu", max_num_seqs=5, num_splits=16)
-    assert {ws.plan(n) for n in range(1, 6)} == {DecodePlan(16, False, 1)}
+    assert {ws.plan(n) for n in range(1, 6)} == {DecodePlan(16, 1)}
     assert ws.part_acc.shape == (5 * 16 * 8, 64)
     with pytest.raises(ValueError, match="power of two"):
         SplitWorkspace.allocate(8, 2, 64, "cpu", num_splits=12)
@@ -116,7 +113,7 @@ def decode_with_rule(gen, kernel_device, scheme_name, num_seqs):
     expected = batch_rule_attention(batch, 128**-0.5, scheme)
     assert not torch.isnan(out).any(), f"{scheme_name}, {plan}: unwritten output"
     assert relative_error(out.cpu(), expected) < 1e-2, f"{scheme_name}, {plan}"
-    launch = (WARP_SPLIT_LAUNCH if plan.warp_split else DECODE_LAUNCH)[scheme_name]
+    launch = DECODE_LAUNCH[scheme_name]
     splits = plan.splits
     partials = ws.part_ml[: num_seqs * num_q_heads * splits].view(num_seqs, num_q_heads, splits, 2).cpu()
     for seq, seq_len in enumerate(batch.seq_lens.tolist()):
@@ -136,10 +133,9 @@ def test_kernel_matches_the_reference_at_the_counts_the_h200_table_picks(gen, ke
 
 @pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
-@pytest.mark.parametrize("scheme_name, warp_split", [("int4_kivi", False), ("int4_saw", False), ("int4_saw", True)])
-def test_min_split_tiles_fill_fewer_splits_for_short_contexts(gen, kernel_device, monkeypatch, scheme_name,
-                                                              warp_split):
+@pytest.mark.parametrize("scheme_name", SCHEMES)
+def test_min_split_tiles_fill_fewer_splits_for_short_contexts(gen, kernel_device, monkeypatch, scheme_name):
     """A plan's min_split_tiles: the batch of eight's 1-8 tile contexts fill 1-2 of 16 splits at 4 tiles each, and
     the output is the same attention."""
-    monkeypatch.setitem(DECODE_SPLITS, scheme_name, ((math.inf, 16, warp_split, 4),))
-    assert decode_with_rule(gen, kernel_device, scheme_name, 8) == DecodePlan(16, warp_split, 4)
+    monkeypatch.setitem(DECODE_SPLITS, scheme_name, ((math.inf, 16, 4),))
+    assert decode_with_rule(gen, kernel_device, scheme_name, 8) == DecodePlan(16, 4)

@@ -10,15 +10,14 @@ batches 1/32/128/256, for:
   vllm_int4  vLLM 0.26.0's int4_per_token_head path (block 16): unified_attention_int4, RHT of q/out included,
              3D split-KV up to 32 sequences like its TRITON_ATTN backend
   s4kv_kivi, s4kv_saw   s4kv.kernels.attention.paged_attention (block 128) at the launch it picks itself
-             (DECODE_LAUNCH, or int4_saw's WARP_SPLIT_LAUNCH where DECODE_SPLITS picks it: what the backend runs)
-  s4kv_*_biased, s4kv_*_sub, s4kv_*_ptx, s4kv_*_sub_ptx   DECODE_LAUNCH (the tile loop, at every batch size) with
-             each code path forced
+             (DECODE_LAUNCH with DECODE_SPLITS' plan: what the backend runs)
+  s4kv_*_biased, s4kv_*_sub, s4kv_*_ptx, s4kv_*_sub_ptx   DECODE_LAUNCH with each code path forced
              (attention.CODE_PATHS: codes biased or as fp16 subnormal MMA operands, unpacked by Triton ops or by
              inline PTX)
   s4kv_saw_rotv   int4_saw with its rotate_values option (values rotated like keys, as vLLM's int4 does), at the
              committed decode launch
-  --launch NAME=SCHEME:FIELD=VALUE,...   more methods: SCHEME's DECODE_LAUNCH (the tile loop, at every batch
-             size) with LaunchConfig fields replaced, e.g. a register cap, the codes read two bytes per element:
+  --launch NAME=SCHEME:FIELD=VALUE,...   more methods: SCHEME's DECODE_LAUNCH with LaunchConfig fields
+             replaced, e.g. a register cap, the codes read two bytes per element:
              --launch s4kv_kivi_w128=int4_kivi:wide_code_loads=true,max_registers=128
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
 

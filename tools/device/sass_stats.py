@@ -204,42 +204,34 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_launch(text: str) -> attention.LaunchConfig:
-    """TILExWARPSxSTAGES, e.g. 64x4x3, with a trailing w for the warp-split loop, e.g. 128x4x5w (variants() adds
-    the scheme's kept launch options)."""
-    warp_split = text.endswith("w")
-    tile, warps, stages = (int(part) for part in text.removesuffix("w").split("x"))
-    return attention.LaunchConfig(tile=tile, num_warps=warps, num_stages=stages, warp_split=warp_split)
+    """TILExWARPSxSTAGES, e.g. 64x4x3 (variants() adds the scheme's kept launch options)."""
+    tile, warps, stages = (int(part) for part in text.split("x"))
+    return attention.LaunchConfig(tile=tile, num_warps=warps, num_stages=stages)
 
 
 def launch_label(launch: attention.LaunchConfig) -> str:
-    """TILExWARPSxSTAGES of a decode launch as the table names it, with " warp split" for that loop."""
+    """TILExWARPSxSTAGES of a decode launch as the table names it, with its tile-loop options."""
     tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
-    return (f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" warp split" if launch.warp_split else "")
-            + (" wide" if launch.wide_code_loads else "") + (" unmasked" if launch.unmasked_full_tiles else "")
-            + (" joint sums" if launch.joint_row_sums else ""))
+    return (f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" wide" if launch.wide_code_loads else "")
+            + (" unmasked" if launch.unmasked_full_tiles else "") + (" joint sums" if launch.joint_row_sums else ""))
 
 
 def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], code_loads: str | None = None,
              unmasked: bool = False, joint_sums: bool = False):
-    """(label, scheme, query dtype, launch) of every variant to compile: each launch (default: the scheme's decode
-    launches) with each code path; ``code_loads`` "bytes" or "wide": its codes read a byte or two bytes per element
-    (None: as the launch does), ``unmasked``: the tiles every row sees wholly run without the masks,
-    ``joint_sums``: a tile's row sums in one reduction (wide, unmasked and joint sums are tile-loop options: no
-    warp-split launch then)."""
+    """(label, scheme, query dtype, launch) of every variant to compile: each launch (default: the scheme's
+    DECODE_LAUNCH) with each code path; ``code_loads`` "bytes" or "wide": its codes read a byte or two bytes per
+    element (None: as the launch does), ``unmasked``: the tiles every row sees wholly run without the masks,
+    ``joint_sums``: a tile's row sums in one reduction."""
     for name in scheme_names:
         scheme = Int4Scheme(name)
         kept = attention.kept_launch_options(name)
-        # the warp-split loop reads codes a byte at a time (wide_code_loads is a tile-loop option)
-        for base in ([replace(parse_launch(text), **kept, **({"wide_code_loads": False} if text.endswith("w") else {}))
-                      for text in launches] or attention.decode_launches(name)):
+        for base in ([replace(parse_launch(text), **kept) for text in launches] or [attention.DECODE_LAUNCH[name]]):
             if code_loads is not None:
                 base = replace(base, wide_code_loads=code_loads == "wide")
             if unmasked:
                 base = replace(base, unmasked_full_tiles=True)
             if joint_sums:
                 base = replace(base, joint_row_sums=True)
-            if base.warp_split and (base.wide_code_loads or base.unmasked_full_tiles or base.joint_row_sums):
-                continue
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
                     yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)
@@ -252,13 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launches", default="",
                         help="comma-separated TILExWARPSxSTAGES to compare (default: each scheme's DECODE_LAUNCH)")
     parser.add_argument("--code-loads", choices=("bytes", "wide"),
-                        help="read the codes a byte or two bytes per element (LaunchConfig.wide_code_loads; wide: "
-                             "tile loop only); default: as each launch does")
+                        help="read the codes a byte or two bytes per element (LaunchConfig.wide_code_loads); "
+                             "default: as each launch does")
     parser.add_argument("--unmasked-full-tiles", action="store_true",
-                        help="the tiles every row sees wholly without the masks (LaunchConfig.unmasked_full_tiles; "
-                             "tile loop only)")
+                        help="the tiles every row sees wholly without the masks (LaunchConfig.unmasked_full_tiles)")
     parser.add_argument("--joint-row-sums", action="store_true",
-                        help="a tile's two row sums in one reduction (LaunchConfig.joint_row_sums; tile loop only)")
+                        help="a tile's two row sums in one reduction (LaunchConfig.joint_row_sums)")
     parser.add_argument("--json", type=Path, help="also write every variant's loop histogram (mnemonics) here")
     args = parser.parse_args(argv)
 

@@ -5,13 +5,13 @@
 
 For each attention shape (bench_kernels.SHAPES), batch and context, FA3 on bf16 and on fp8 run first where vLLM
 is importable (the times to compare with), then each scheme's cache is filled once by our store kernel and read at
-each of its decode launches (DECODE_LAUNCH, and WARP_SPLIT_LAUNCH where the scheme has one) with the split
-workspace forced to each split count in turn (split_candidates). Outputs are checked finite and against the
-scheme's first candidate (launches and splits change only the order of the sums: within SPLIT_MAX_REL_DIFF) and
+its decode launch (DECODE_LAUNCH) with the split workspace forced to each split count in turn
+(split_candidates). Outputs are checked finite and against the scheme's first candidate (split counts change only
+the order of the sums: within SPLIT_MAX_REL_DIFF) and
 FA3's (bench_kernels' sanity bound); times are medians of CUDA-graph replays.
 
-The plan chosen per scheme for a batch size (kernels.attention.DecodePlan: split count, launch, and the fewest tiles
-a split takes) is the candidate with the smallest worst-case slowdown against the fastest split count over the
+The plan chosen per scheme for a batch size (kernels.attention.DecodePlan: split count and the fewest tiles a split
+takes) is the candidate with the smallest worst-case slowdown against the fastest split count over the
 contexts and shapes measured at its KV-head programs (batch x KV heads): the rule must depend on the batch only (CUDA
 graphs are captured per batch size), so one plan serves every context. Each case also times the committed plan.
 Printed after a sweep, or from a saved one with ``--choose``; ``--apply`` writes it into kernels/attention.py's
@@ -64,37 +64,37 @@ def split_candidates(batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
     return [s for s in fits if 4 * programs * s >= num_sms] or fits[-1:] or [1]
 
 
-def launch_tile(scheme_name: str, warp_split: bool) -> int:
+def launch_tile(scheme_name: str) -> int:
     """Tokens per tile of a scheme's decode launch on our 128-token pages."""
-    from s4kv.kernels.attention import DECODE_LAUNCH, WARP_SPLIT_LAUNCH
+    from s4kv.kernels.attention import DECODE_LAUNCH
     from s4kv.kernels.layout import tile_tokens
 
-    return tile_tokens(bk.S4KV_BLOCK_SIZE, (WARP_SPLIT_LAUNCH if warp_split else DECODE_LAUNCH)[scheme_name].tile)
+    return tile_tokens(bk.S4KV_BLOCK_SIZE, DECODE_LAUNCH[scheme_name].tile)
 
 
 def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
-    """scheme -> KV-head programs of a batch unsplit (batch x KV heads) -> {"splits", "warp_split",
-    "min_split_tiles": the candidate with the smallest worst-case slowdown against the fastest split count over every
-    (shape, context) measured there, "worst": that slowdown, "cases": {(shape, context): (its time, fastest
-    time)}}. A candidate is a split count on one of the scheme's launches (warp_split: WARP_SPLIT_LAUNCH), measured
-    in every case, with a min_split_tiles estimated from the counts measured (MIN_TILES_MARGIN says how)."""
+    """scheme -> KV-head programs of a batch unsplit (batch x KV heads) -> {"splits", "min_split_tiles": the
+    candidate with the smallest worst-case slowdown against the fastest split count over every (shape, context)
+    measured there, "worst": that slowdown, "cases": {(shape, context): (its time, fastest time)}}. A candidate is a
+    split count measured in every case, with a min_split_tiles estimated from the counts measured (MIN_TILES_MARGIN
+    says how)."""
     from s4kv.kernels.attention import DecodePlan
 
-    groups: dict[str, dict[int, dict[tuple, dict[tuple[int, bool], float]]]] = {}
-    tiles: dict[tuple[str, bool], int] = {}
+    groups: dict[str, dict[int, dict[tuple, dict[int, float]]]] = {}
+    tiles: dict[str, int] = {}
     timed_plans: dict[tuple, float] = {}  # (scheme, programs, shape, context, DecodePlan) -> its time as committed
     for r in rows:
-        if r.get("us") is None or r["method"] not in SCHEMES:
+        # sweeps before 2026-12-05 also timed a warp-split decode loop, since removed: not a candidate
+        if r.get("us") is None or r["method"] not in SCHEMES or r.get("warp_split"):
             continue
         programs = r["batch"] * bk.SHAPES[r["shape"]][1]
         if r.get("committed"):
-            plan = DecodePlan(r["splits"], r.get("warp_split", False), r.get("min_split_tiles", 1))
+            plan = DecodePlan(r["splits"], r.get("min_split_tiles", 1))
             timed_plans[(r["method"], programs, r["shape"], r["context"], plan)] = r["us"]
             continue
         cases = groups.setdefault(r["method"], {}).setdefault(programs, {})
-        launch = (r["method"], r.get("warp_split", False))
-        cases.setdefault((r["shape"], r["context"]), {})[(r["splits"], launch[1])] = r["us"]
-        tiles[launch] = r.get("tile") or launch_tile(*launch)
+        cases.setdefault((r["shape"], r["context"]), {})[r["splits"]] = r["us"]
+        tiles[r["method"]] = r.get("tile") or launch_tile(r["method"])
     chosen: dict[str, dict[int, dict]] = {}
     for scheme, by_programs in groups.items():
         for programs, cases in by_programs.items():
@@ -106,45 +106,41 @@ def choose_splits(rows: list[dict]) -> dict[str, dict[int, dict]]:
                 plan = DecodePlan(*candidate)
                 if (scheme, programs, *case, plan) in timed_plans:
                     return timed_plans[(scheme, programs, *case, plan)]
-                num_tiles = math.ceil(case[1] / tiles[(scheme, plan.warp_split)])
+                num_tiles = math.ceil(case[1] / tiles[scheme])
                 live = plan.live_splits(num_tiles)
                 if live == plan._replace(min_split_tiles=1).live_splits(num_tiles):
-                    return times[(plan.splits, plan.warp_split)]
+                    return times[plan.splits]
                 if live == 1:  # merged all the same: not the one-split candidate's time (MIN_TILES_MARGIN)
                     return math.inf
                 # a live count not measured: no estimate
-                return times.get((live, plan.warp_split), math.inf) * MIN_TILES_MARGIN
+                return times.get(live, math.inf) * MIN_TILES_MARGIN
 
             def worst(candidate):
                 return max(estimate(candidate, c, t) / min(t.values()) for c, t in cases.items())
 
-            best = min(((s, w, m) for s, w in sorted(common) for m in (MIN_SPLIT_TILES_CANDIDATES if s > 1 else (1,))),
+            best = min(((s, m) for s in sorted(common) for m in (MIN_SPLIT_TILES_CANDIDATES if s > 1 else (1,))),
                        key=worst)  # one split takes every tile, whatever its minimum
             chosen.setdefault(scheme, {})[programs] = {
-                "splits": best[0], "warp_split": best[1], "min_split_tiles": best[2], "worst": worst(best),
+                "splits": best[0], "min_split_tiles": best[1], "worst": worst(best),
                 "cases": {c: (estimate(best, c, t), min(t.values())) for c, t in cases.items()}}
     return chosen
 
 
-def split_table(chosen: dict[int, dict], num_sms: int) -> tuple[tuple[float, int, bool, int], ...]:
-    """One scheme's DECODE_SPLITS entry from its chosen candidates: each measured point's plan (splits, warp split,
-    min split tiles) holds up to the geometric mean of its KV-head programs and the next point's (per SM); the last
-    holds beyond; equal neighbours merge. On the same launch a point never gets more splits than the point before it
-    (a larger batch already fills the SMs: where a sweep says otherwise, the counts were within a few percent)."""
+def split_table(chosen: dict[int, dict], num_sms: int) -> tuple[tuple[float, int, int], ...]:
+    """One scheme's DECODE_SPLITS entry from its chosen candidates: each measured point's plan (splits, min split
+    tiles) holds up to the geometric mean of its KV-head programs and the next point's (per SM); the last holds
+    beyond; equal neighbours merge. A point never gets more splits than the point before it (a larger batch already
+    fills the SMs: where a sweep says otherwise, the counts were within a few percent)."""
     points = sorted(chosen)
-    table: list[tuple[float, int, bool, int]] = []
+    table: list[tuple[float, int, int]] = []
     for here, after in zip(points, points[1:] + [None]):
         bound = math.inf if after is None else round(math.sqrt(here * after) / num_sms, 3)
-        splits, warp_split = chosen[here]["splits"], chosen[here].get("warp_split", False)
-        min_split_tiles = chosen[here].get("min_split_tiles", 1)
-        if table and table[-1][2] == warp_split:
-            splits = min(splits, table[-1][1])
-        if splits == 1:  # one split takes every tile
-            min_split_tiles = 1
-        if table and table[-1][1:] == (splits, warp_split, min_split_tiles):
-            table[-1] = (bound, splits, warp_split, min_split_tiles)
+        splits = chosen[here]["splits"] if not table else min(chosen[here]["splits"], table[-1][1])
+        min_split_tiles = 1 if splits == 1 else chosen[here].get("min_split_tiles", 1)  # one split takes every tile
+        if table and table[-1][1:] == (splits, min_split_tiles):
+            table[-1] = (bound, splits, min_split_tiles)
         else:
-            table.append((bound, splits, warp_split, min_split_tiles))
+            table.append((bound, splits, min_split_tiles))
     return tuple(table)
 
 
@@ -153,8 +149,8 @@ def tables_source(tables: dict[str, tuple], width: int = 120) -> str:
     def entry(scheme, table):
         head = f'    "{scheme}": ('
         lines, line = [], head
-        for b, s, w, m in table:
-            item = f"({'math.inf' if b == math.inf else b}, {s}, {w}, {m}), "
+        for b, s, m in table:
+            item = f"({'math.inf' if b == math.inf else b}, {s}, {m}), "
             if len(line) + len(item.rstrip()) > width - 2 and line.strip() != head.strip():
                 lines.append(line.rstrip())
                 line = " " * len(head)
@@ -181,8 +177,7 @@ def apply_split_tables(source: str, tables: dict[str, tuple]) -> str:
 def committed_rows(rows: list[dict]) -> list[dict]:
     """A sweep's measured FA3 rows and, per scheme and case, the row of the plan kernels/attention.py's DECODE_SPLITS
     picks (what the backend runs), as bench_kernels' decode rows (method, ms, gbps), for plot_kernels: its
-    "committed" row, or in a sweep without those, the row of its split count and launch (its min_split_tiles
-    not applied)."""
+    "committed" row, or in a sweep without those, the row of its split count (its min_split_tiles not applied)."""
     from s4kv.kernels.attention import DECODE_SPLITS, DecodePlan, decode_plan
 
     timed = {(r["shape"], r["batch"], r["context"], r["method"]) for r in rows if r.get("committed")}
@@ -195,16 +190,16 @@ def committed_rows(rows: list[dict]) -> list[dict]:
             if (r["shape"], r["batch"], r["context"], r["method"]) in timed:
                 if not r.get("committed"):
                     continue
-            elif DecodePlan(r["splits"], r.get("warp_split", False)) != plan._replace(min_split_tiles=1):
+            elif r.get("warp_split") or DecodePlan(r["splits"]) != plan._replace(min_split_tiles=1):
                 continue
         picked.append({"shape": r["shape"], "batch": r["batch"], "context": r["context"], "method": r["method"],
                        "ms": r["us"] / 1e3, "gbps": r["gbps"]})
     return picked
 
 
-def candidate_name(splits: int, warp_split: bool, min_split_tiles: int = 1) -> str:
-    """w: the warp-split launch; /N: at least N tiles per split."""
-    return f"{'w' if warp_split else ''}{splits}" + (f"/{min_split_tiles}" if min_split_tiles > 1 else "")
+def candidate_name(splits: int, min_split_tiles: int = 1) -> str:
+    """/N: at least N tiles per split."""
+    return f"{splits}" + (f"/{min_split_tiles}" if min_split_tiles > 1 else "")
 
 
 def render(rows: list[dict]) -> str:
@@ -212,8 +207,8 @@ def render(rows: list[dict]) -> str:
     by_case: dict[tuple, list[dict]] = {}
     for r in rows:
         by_case.setdefault((r["shape"], r["batch"], r["context"]), []).append(r)
-    lines = ["| shape | batch | context | fa3_bf16 | fa3_fp8 | scheme | us per candidate: split count, w = warp split "
-             "(fastest *) | committed plan (/N: at least N tiles per split): us |",
+    lines = ["| shape | batch | context | fa3_bf16 | fa3_fp8 | scheme | us per candidate: split count (fastest *) "
+             "| committed plan (/N: at least N tiles per split): us |",
              "|---|---|---|---|---|---|---|---|"]
     for (shape, batch, context), case in by_case.items():
         ref = {r["method"]: r for r in case if r["method"].startswith("fa3")}
@@ -223,7 +218,7 @@ def render(rows: list[dict]) -> str:
             if not timed:
                 continue
             fastest = min(r["us"] for r in timed)
-            cells = " ".join(f"{candidate_name(r['splits'], r.get('warp_split', False))}:{r['us']:,.0f}"
+            cells = " ".join(f"{candidate_name(r['splits'])}:{r['us']:,.0f}"
                              f"{'*' if r['us'] == fastest else ''}" for r in timed)
             committed = timed[0].get("committed_splits")
             committed_us = [r["us"] for r in case if r["method"] == scheme and r.get("committed") and r["us"]]
@@ -267,18 +262,15 @@ def sweep(shapes, batches, contexts, budget_s: float, out: Path) -> list[dict]:
 
 
 def _candidates(scheme_name, batch, num_q_heads, num_kv_heads, num_sms, device, workspace_cls, rule):
-    """(row fields, workspace, launch) per candidate: every split count on each of the scheme's decode launches,
-    then the committed plan (``rule``, the scheme's DECODE_SPLITS workspace, at its default launch)."""
-    from s4kv.kernels.attention import decode_launches
-
-    for launch in decode_launches(scheme_name):
-        for splits in split_candidates(batch, num_kv_heads, num_sms):
-            yield (dict(splits=splits, warp_split=launch.warp_split, tile=launch_tile(scheme_name, launch.warp_split)),
-                   workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, device, max_num_seqs=batch,
-                                          num_splits=splits), launch)
+    """(row fields, workspace) per candidate: every split count at the scheme's decode launch, then the committed
+    plan (``rule``, the scheme's DECODE_SPLITS workspace)."""
+    for splits in split_candidates(batch, num_kv_heads, num_sms):
+        yield (dict(splits=splits, tile=launch_tile(scheme_name)),
+               workspace_cls.allocate(num_q_heads, num_kv_heads, bk.HEAD_DIM, device, max_num_seqs=batch,
+                                      num_splits=splits))
     plan = rule.plan(batch)
-    yield (dict(splits=plan.splits, warp_split=plan.warp_split, min_split_tiles=plan.min_split_tiles,
-                tile=launch_tile(scheme_name, plan.warp_split), committed=True), rule, None)
+    yield (dict(splits=plan.splits, min_split_tiles=plan.min_split_tiles, tile=launch_tile(scheme_name),
+                committed=True), rule)
 
 
 def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls, scheme_cls) -> list[dict]:
@@ -313,13 +305,13 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
         plan = rule.plan(batch)
         committed = candidate_name(*plan)
         first = None  # the first candidate's output: every other one must match it
-        for fields, workspace, launch in _candidates(scheme_name, batch, num_q_heads, num_kv_heads, num_sms,
-                                                     kv_pool.device, workspace_cls, rule):
+        for fields, workspace in _candidates(scheme_name, batch, num_q_heads, num_kv_heads, num_sms, kv_pool.device,
+                                             workspace_cls, rule):
             out = torch.full_like(query, float("nan"))
             row = dict(base, method=scheme_name, committed_splits=committed, **fields)
             try:
                 us = bk.median_ms(bk.s4kv_decode_call(scheme, problem, cache, tables[bk.S4KV_BLOCK_SIZE], out,
-                                                      workspace, launch), rep_ms=60) * 1e3
+                                                      workspace), rep_ms=60) * 1e3
                 if not torch.isfinite(out).all():
                     raise RuntimeError("output has NaN/inf (unwritten or broken)")
                 err = (float((out.float() - reference).norm() / reference.norm()) if reference is not None
@@ -339,7 +331,7 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
         del cache
         torch.cuda.empty_cache()
     line = " ".join(f"{r['method']}/{'committed ' if r.get('committed') else ''}"
-                    f"{candidate_name(r['splits'], r.get('warp_split', False), r.get('min_split_tiles', 1))}"
+                    f"{candidate_name(r['splits'], r.get('min_split_tiles', 1))}"
                     f":{r['us']:,.0f}" for r in rows if r.get("us"))
     print(f"{shape} b={batch} ctx={context}: {line}", flush=True)
     return rows
@@ -370,10 +362,9 @@ def main() -> int:
     chosen = choose_splits(rows)
     for scheme, by_programs in sorted(chosen.items()):
         for programs, pick in sorted(by_programs.items()):
-            launch = "WARP_SPLIT_LAUNCH" if pick["warp_split"] else "DECODE_LAUNCH"
             at_least = f", at least {pick['min_split_tiles']} tiles each" if pick["min_split_tiles"] > 1 else ""
-            print(f"{scheme} at {programs} KV-head programs: {pick['splits']} splits{at_least} on {launch}, worst "
-                  f"case {pick['worst']:.2f}x the fastest split count over {len(pick['cases'])} cases")
+            print(f"{scheme} at {programs} KV-head programs: {pick['splits']} splits{at_least}, worst case "
+                  f"{pick['worst']:.2f}x the fastest split count over {len(pick['cases'])} cases")
     tables = {scheme: split_table(chosen[scheme], rows[0]["num_sms"]) for scheme in SCHEMES if scheme in chosen}
     print(tables_source(tables), end="")
     if args.apply:
