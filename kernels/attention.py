@@ -69,17 +69,17 @@ class LaunchConfig:
     # launch at their start, and it reads the step's metadata before it waits for their partials: its launch and
     # first loads overlap the splits instead of following them (at batch 1 the merge was a third of the step)
     dependent_merge: bool = False
-    # the tiles that every live row of a program sees wholly (all before the first row's position,
-    # the program's smallest) run without the causal/length mask: no visibility select on the scores, no guard for
-    # an all-masked row maximum, per-token params loaded unmasked. Only the tile or two at the end of a program's
+    # the tiles that every live row of a program sees wholly (all before the first row's position, the program's
+    # smallest) run without the causal/length mask: no visibility select on the scores, no guard for an all-masked
+    # row maximum, per-token params loaded unmasked. Only the tile or two at the end of a program's
     # range run the masked code, in a loop of their own (int4_saw's one loop splits in two; int4_kivi's loop before
     # the own blocks, already whole, drops its masks). The decode loop is issue bound, and the masks cost selects
     # and compares in every tile; the price is the tail tile's loads, no longer prefetched during the tile before
     unmasked_full_tiles: bool = False
     # a tile's two row sums (of P, and of P times the per-token value minimum) in one reduction. The tile's columns
     # are spread over the program's warps, so every row reduction is a round trip through shared memory with its
-    # barriers: one instead of two takes the tile loop from 12 to 9 CTA barriers a tile (sm_90), the same
-    # instructions otherwise (tools/device/sass_stats.py)
+    # barriers: one instead of two takes 3 CTA barriers a tile out of the loop (sm_90: int4_saw 12 -> 9, int4_kivi
+    # 18 -> 15), about the same instructions otherwise (tools/device/sass_stats.py)
     joint_row_sums: bool = False
 
 
@@ -103,6 +103,8 @@ DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=5, 
                  "int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
                                           paired_param_loads=True, max_registers=96, wide_code_loads=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
+
+
 def kept_launch_options(scheme_name: str) -> dict:
     """The DECODE_LAUNCH fields of a scheme that launch sweeps keep while they vary the tile, warps, stages and code
     path: how the kernel loads the codes and the parameters, and the register cap measured with that."""
