@@ -81,6 +81,13 @@ class LaunchConfig:
     # barriers: one instead of two takes 3 CTA barriers a tile out of the loop (sm_90: int4_saw 12 -> 9, int4_kivi
     # 18 -> 15), about the same instructions otherwise (tools/device/sass_stats.py)
     joint_row_sums: bool = False
+    # decode with keys per token (int4_saw), codes read two bytes per element: the GQA group as the MMA's N (8 or
+    # more columns) and the keys, then the values, as its M operand, each warp its own TILE / num_warps tokens of a
+    # tile with its own softmax state, merged once per program (_attend_group_as_n). A group of 4-7 fills 8 of the
+    # m16n8k16 MMA's 16 rows as M but all 8 columns as N: half the MMAs, and no row maximum, row sum or P crosses
+    # warps inside the loop (2 CTA barriers a tile, the pipeline's, where the tile loop has 12), for twice the
+    # accumulator registers
+    group_as_n: bool = False
 
 
 # The ways codes become MMA operands, by name (LaunchConfig fields): what the GPU tests check and the tuning and
@@ -517,6 +524,79 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
     return m_new, l_i, acc_lo, acc_hi, acc_min
 
 
+@triton.jit
+def _attend_group_as_n(first_tile, last_tile, qr_parts, qr_sum_scaled, seq, seq_len, kv_head, qk_scale, cache_u8_ptr,
+                       block_table_ptr, block_table_stride, stride_block, stride_head, TILE: tl.constexpr,
+                       WARPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, PTX_UNPACK: tl.constexpr,
+                       SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr, IS_BF16: tl.constexpr,
+                       CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
+                       PAIRED: tl.constexpr):
+    """Decode over tiles [first_tile, last_tile) of keys per token with the query rows as the MMA's N
+    (LaunchConfig.group_as_n): scores^T = K q^T per warp, [WARPS, SUB, N], then out^T += V^T P^T with the
+    channel-major value codes as V^T. qr_parts: the rotated query rows [N, HALF // 2] split as the codes are read
+    (_query_parts, wide); qr_sum_scaled: their sums times qk_scale. Warp w takes tokens w * SUB .. w * SUB + SUB - 1
+    of every tile (the batched dots' first axis is the warp) and keeps its own online softmax; the warps merge once
+    at the end. Returns (m, l, acc_lo, acc_hi, acc_min) as the tile loop leaves them (_attend_tile)."""
+    SUB: tl.constexpr = TILE // WARPS
+    layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
+    layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
+    layout_k_params: tl.constexpr = (2 * HALF + 4) * BLOCK_SIZE
+    N: tl.constexpr = qr_parts[0].shape[0]
+    dt = qr_parts[0].dtype
+    # q^T, the MMA's B operand, the same for every warp
+    qt0 = tl.broadcast_to(tl.trans(qr_parts[0])[None, :, :], (WARPS, HALF // 2, N))
+    qt1 = tl.broadcast_to(tl.trans(qr_parts[1])[None, :, :], (WARPS, HALF // 2, N))
+    qt2 = tl.broadcast_to(tl.trans(qr_parts[2])[None, :, :], (WARPS, HALF // 2, N))
+    qt3 = tl.broadcast_to(tl.trans(qr_parts[3])[None, :, :], (WARPS, HALF // 2, N))
+    m_i = tl.full([WARPS, N], float("-inf"), tl.float32)
+    l_i = tl.zeros([WARPS, N], tl.float32)
+    acc_lo = tl.zeros([WARPS, HALF, N], tl.float32)
+    acc_hi = tl.zeros([WARPS, HALF, N], tl.float32)
+    acc_min = tl.zeros([WARPS, N], tl.float32)
+    slots = tl.arange(0, WARPS)[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [WARPS, SUB]: a warp's tokens
+    pairs = tl.arange(0, WARPS)[:, None] * (SUB // 2) + tl.arange(0, SUB // 2)[None, :]  # their int16 value words
+    i = tl.arange(0, HALF // 2)
+    j = tl.arange(0, HALF)
+    for tile in range(first_tile, last_tile):
+        start = tile * TILE
+        physical = tl.load(block_table_ptr + seq * block_table_stride + start // BLOCK_SIZE).to(tl.int64)
+        page_ptr = cache_u8_ptr + (physical * stride_block + kv_head * stride_head)
+        in_page = tl.multiple_of(start % BLOCK_SIZE, TILE)  # aligned: vector loads
+        # token t's int16 word i holds bytes 2i and 2i + 1: the four parts are _query_parts' channel quarters
+        k_words = (page_ptr + in_page * HALF).to(tl.pointer_type(tl.int16))
+        k_parts = _unpack_quarters(tl.load(k_words + slots[:, :, None] * (HALF // 2) + i[None, None, :]), PTX_UNPACK,
+                                   SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+        raw = tl.dot(k_parts[3], qt3, tl.dot(k_parts[2], qt2, tl.dot(k_parts[1], qt1, tl.dot(k_parts[0], qt0))))
+        # slots past the sequence end hold stale bytes; a decode row sees every written slot
+        written = (start + slots) < seq_len
+        k_params = (page_ptr + layout_k_params).to(tl.pointer_type(tl.float16)) + 2 * in_page
+        s_t, m_t = load_token_params(k_params, slots, written, PAIRED)
+        scores = raw * (s_t * (CODE_SCALE * qk_scale))[:, :, None] + m_t[:, :, None] * qr_sum_scaled[None, None, :]
+        scores = tl.where(written[:, :, None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_ref[:, None, :])
+        alpha = tl.exp2(m_i - m_ref)
+        v_params = (page_ptr + layout_v_params).to(tl.pointer_type(tl.float16)) + 2 * in_page
+        sv, mv = load_token_params(v_params, slots, written, PAIRED)
+        # channel byte j's int16 word holds tokens 2i and 2i + 1: parts (channel j, HALF + j) of the even tokens,
+        # then of the odd ones, against P^T's rows of those tokens
+        p_even, p_odd = tl.split(tl.permute(tl.reshape((p * sv[:, :, None]).to(dt), [WARPS, SUB // 2, 2, N]),
+                                            (0, 1, 3, 2)))
+        v_words = (page_ptr + layout_v_codes + in_page).to(tl.pointer_type(tl.int16))
+        v_parts = _unpack_quarters(tl.load(v_words + j[None, :, None] * (BLOCK_SIZE // 2) + pairs[:, None, :]),
+                                   PTX_UNPACK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
+        acc_lo = tl.dot(v_parts[2], p_odd, tl.dot(v_parts[0], p_even, acc_lo * alpha[:, None, :]))
+        acc_hi = tl.dot(v_parts[3], p_odd, tl.dot(v_parts[1], p_even, acc_hi * alpha[:, None, :]))
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc_min = acc_min * alpha + tl.sum(p * mv[:, :, None], 1)
+        m_i = m_new
+    m = tl.max(m_i, 0)
+    weight = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for a warp that saw no key
+    return (m, tl.sum(l_i * weight, 0), tl.trans(tl.sum(acc_lo * weight[:, None, :], 0)),
+            tl.trans(tl.sum(acc_hi * weight[:, None, :], 0)), tl.sum(acc_min * weight, 0))
+
+
 # Runtime values must not pick kernel variants: Triton would otherwise compile one per "== 1 / multiple of 16"
 # value of num_seqs and per 16-byte alignment of the (sliced) metadata pointers, and a new variant met while
 # serving is a JIT stall of seconds. The metadata is read with scalar loads, where alignment buys nothing.
@@ -536,7 +616,7 @@ def _paged_attention_kernel(
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
     PAIRED_PARAMS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     DECODE: tl.constexpr, WIDE_CODES: tl.constexpr, HIGH_PART_SCALE: tl.constexpr, LAUNCH_MERGE: tl.constexpr,
-    UNMASKED_FULL_TILES: tl.constexpr, JOINT_ROW_SUMS: tl.constexpr,
+    UNMASKED_FULL_TILES: tl.constexpr, JOINT_ROW_SUMS: tl.constexpr, GROUP_AS_N: tl.constexpr, WARPS: tl.constexpr,
 ):
     if LAUNCH_MERGE:  # the merge (a dependent launch) may start once every split has: it waits for our partials
         gdc_launch_dependents()
@@ -599,45 +679,51 @@ def _paged_attention_kernel(
 
         last_tile = tl.minimum(num_tiles, first_tile + tiles_per_split)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
-        acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
-        acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
-        # Two loops: the tiles every live row sees wholly, then the program's tail. int4_kivi's tail starts at
-        # the program's own blocks, so the per-channel tiles before them cost neither registers nor branches
-        # for the own-block path (original keys, a second score matrix). With UNMASKED_FULL_TILES the first
-        # loop runs without masks (LaunchConfig.unmasked_full_tiles), and int4_saw's tail starts at the first
-        # tile holding a key past the first row's position (the program's smallest: later rows see more);
-        # without it int4_saw runs every tile in the first loop, masked.
-        tail_tile = last_tile
-        if IS_KIVI:
-            tail_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
-        elif UNMASKED_FULL_TILES:
-            tail_tile = tl.maximum(tl.minimum((context + local_block * BLOCK_Q + 1) // TILE, last_tile),
-                                   first_tile)
-        for tile in range(first_tile, tail_tile):
-            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
-                may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
-                block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
-                new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                False, UNMASKED_FULL_TILES, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE,
-                IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE,
-                JOINT_ROW_SUMS)
-        # not pipelined: the tail is a tile or two per program (int4_saw's decode: at most one, in the last split).
-        # Its first tile's loads start once the first loop is done, pipelined or not (as the last tile of one
-        # loop they were prefetched during the tile before: what the split costs); a pipeline would overlap
-        # only a second tile's loads, for more code and shared memory, and buffering int4_kivi's 16-bit
-        # original-key tiles would take the shared memory that lets a second program share the SM (occupancy).
-        for tile in tl.range(tail_tile, last_tile, num_stages=1):
-            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
-                tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
-                may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
-                block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
-                new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
-                True, False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
-                CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE, JOINT_ROW_SUMS)
+        if GROUP_AS_N:
+            m_i, l_i, acc_lo, acc_hi, acc_min = _attend_group_as_n(
+                first_tile, last_tile, qr_parts, qr_sum_scaled, seq, seq_len, kv_head, qk_scale, cache_u8_ptr,
+                block_table_ptr, block_table_stride, stride_block, stride_head, TILE, WARPS, BLOCK_SIZE, PTX_UNPACK,
+                SUBNORMAL, CODE_SCALE, IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
+            acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+            acc_min = tl.zeros([BLOCK_M], tl.float32)  # P @ (per-token value min), the same for every channel
+            # Two loops: the tiles every live row sees wholly, then the program's tail. int4_kivi's tail starts at
+            # the program's own blocks, so the per-channel tiles before them cost neither registers nor branches
+            # for the own-block path (original keys, a second score matrix). With UNMASKED_FULL_TILES the first
+            # loop runs without masks (LaunchConfig.unmasked_full_tiles), and int4_saw's tail starts at the first
+            # tile holding a key past the first row's position (the program's smallest: later rows see more);
+            # without it int4_saw runs every tile in the first loop, masked.
+            tail_tile = last_tile
+            if IS_KIVI:
+                tail_tile = tl.maximum(tl.minimum(first_own_block * (BLOCK_SIZE // TILE), last_tile), first_tile)
+            elif UNMASKED_FULL_TILES:
+                tail_tile = tl.maximum(tl.minimum((context + local_block * BLOCK_Q + 1) // TILE, last_tile),
+                                       first_tile)
+            for tile in range(first_tile, tail_tile):
+                m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
+                    may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
+                    block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
+                    new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
+                    False, UNMASKED_FULL_TILES, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE,
+                    IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE,
+                    JOINT_ROW_SUMS)
+            # not pipelined: the tail is a tile or two per program (int4_saw's decode: at most one, in the last split).
+            # Its first tile's loads start once the first loop is done, pipelined or not (as the last tile of one
+            # loop they were prefetched during the tile before: what the split costs); a pipeline would overlap
+            # only a second tile's loads, for more code and shared memory, and buffering int4_kivi's 16-bit
+            # original-key tiles would take the shared memory that lets a second program share the SM (occupancy).
+            for tile in tl.range(tail_tile, last_tile, num_stages=1):
+                m_i, l_i, acc_lo, acc_hi, acc_min = _attend_tile(
+                    tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
+                    may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
+                    block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
+                    new_keys_stride_h, staged_keys_ptr, pool_page, pool_stride_token, slot,
+                    True, False, TILE, BLOCK_SIZE, BLOCK_Q, IS_KIVI, PTX_UNPACK, SUBNORMAL, CODE_SCALE, IS_BF16,
+                    CODE_BIAS_BITS, CODE_BIAS, HALF, PAIRED_PARAMS, WIDE_CODES, HIGH_PART_SCALE, JOINT_ROW_SUMS)
         acc_lo = acc_lo * CODE_SCALE + acc_min[:, None]
         acc_hi = acc_hi * (CODE_SCALE * HIGH_PART_SCALE) + acc_min[:, None]
 
@@ -846,12 +932,24 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     default_launch = launch is None
     plan = workspace.plan(num_seqs) if (decode and workspace is not None) else DecodePlan(1)
     if decode:
-        block_m = max(16, next_power_of_2(group))
         block_q, launch = 1, launch or DECODE_LAUNCH[scheme.name]
+        # the MMA takes 16 query rows as M, 8 as N (LaunchConfig.group_as_n)
+        block_m = max(8 if launch.group_as_n else 16, next_power_of_2(group))
     else:
         block_m = max(64, next_power_of_2(group))
         block_q, launch = block_m // group, launch or PREFILL_LAUNCH
     tile = tile_tokens(block_size, launch.tile)
+    if launch.group_as_n:
+        # _attend_group_as_n: one query token a program, keys per token, 16-bit code words, and at least 32 tokens a
+        # warp (16 keys as the MMA's M, 16 even and 16 odd value tokens as its K); the tile loop's options do not apply
+        needs = ("a decode batch (max_query_len 1)" if not decode else "keys per token (int4_saw)" if scheme.is_kivi
+                 else "codes read two bytes per element (wide_code_loads)" if not launch.wide_code_loads
+                 else "at least 32 tokens a warp" if tile < 32 * launch.num_warps
+                 else "no tile-loop option (unmasked_full_tiles, joint_row_sums)"
+                 if launch.unmasked_full_tiles or launch.joint_row_sums else None)
+        if needs:
+            raise ValueError(f"LaunchConfig.group_as_n needs {needs}: got {scheme.name}, max_query_len "
+                             f"{max_query_len}, a {tile}-token tile over {launch.num_warps} warps")
     if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
         if not default_launch:
             raise ValueError(f"LaunchConfig.subnormal_codes is validated on the GPU at head_dim "
@@ -891,6 +989,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         MIN_SPLIT_TILES=plan.min_split_tiles, DECODE=decode, WIDE_CODES=launch.wide_code_loads,
         HIGH_PART_SCALE=_high_part_scale(launch, query.dtype), LAUNCH_MERGE=dependent_merge,
         UNMASKED_FULL_TILES=launch.unmasked_full_tiles, JOINT_ROW_SUMS=launch.joint_row_sums,
+        GROUP_AS_N=launch.group_as_n, WARPS=launch.num_warps,
         **_code_format(query.dtype, launch.subnormal_codes),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **compiler_options,
     )

@@ -254,6 +254,59 @@ def test_unmasked_full_tiles_match_the_reference(gen, kernel_device, scheme_name
         assert torch.equal(out, run_kernel(batch, cache, scheme, workspace, masked))
 
 
+@pytest.mark.parametrize(
+    "scheme_name, group, num_splits, head_dim, code_path",
+    [("saw128", 7, None, 128, "subnormal"), ("saw128-rotv", 4, 8, 128, "subnormal"), ("saw32", 1, 4, 128, "biased"),
+     ("saw128", 8, 16, 128, "biased"), ("saw64-rotv", 4, 16, 64, "biased"), ("saw32", 7, None, 64, "biased")],
+)
+def test_group_as_n_matches_the_reference(gen, kernel_device, scheme_name, group, num_splits, head_dim, code_path):
+    """Decode with the query rows as the MMA's N and each warp its own tokens (LaunchConfig.group_as_n): GQA 1-8
+    (dead columns past the group), one pass and split (16 splits leave some empty), contexts at page edges and within
+    a warp's first tokens, rotated values, head_dim 64 and 128, against the reference and against the tile loop,
+    which only sums in another order."""
+    scheme = SCHEMES[scheme_name]
+    num_q_heads, num_kv_heads = heads_for(group)
+    batch = make_paged_batch(gen, DECODE, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
+                             device=kernel_device, num_padding=1, head_dim=head_dim)
+    cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    workspace = None
+    if num_splits is not None:
+        workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
+                                            max_num_seqs=len(DECODE), num_splits=num_splits)
+        workspace.part_acc.fill_(float("nan"))
+        workspace.part_ml.fill_(float("nan"))
+    tile_loop = dataclasses.replace(DECODE_LAUNCH[scheme.name], ptx_unpack=kernel_device.type == "cuda",
+                                    **{k: v for k, v in CODE_PATHS[code_path].items() if k != "ptx_unpack"})
+    out = run_kernel(batch, cache, scheme, workspace, dataclasses.replace(tile_loop, group_as_n=True))
+    assert_attention_close(out, run_reference(batch, cache, scheme),
+                           f"{scheme_name} group as N, GQA {group}, splits {num_splits}, head_dim {head_dim}")
+    torch.testing.assert_close(out, run_kernel(batch, cache, scheme, workspace, tile_loop), rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(), "a decode batch"), (dict(scheme="int4_kivi"), "keys per token"),
+    (dict(wide_code_loads=False), "codes read two bytes per element"), (dict(tile=64), "at least 32 tokens a warp"),
+    (dict(unmasked_full_tiles=True), "no tile-loop option"), (dict(joint_row_sums=True), "no tile-loop option"),
+])
+def test_group_as_n_is_refused_where_it_does_not_apply(gen, options, match):
+    """Prefill rows, int4_kivi's per-channel keys, byte codes, fewer than 32 tokens a warp and the tile loop's
+    options get a clear error, never another loop."""
+    options = dict(options)
+    scheme = KIVI if options.pop("scheme", None) else SCHEMES["saw128"]
+    launch = dataclasses.replace(DECODE_LAUNCH["int4_saw"], ptx_unpack=False, group_as_n=True, **options)
+    specs = [(0, 3)] if match == "a decode batch" else [(40, 1)]
+    batch = make_paged_batch(gen, specs, 8, 2, block_size=128, dtype=torch.float16, device="cpu")
+    own_block = {}
+    if scheme.is_kivi:
+        own_block = dict(new_keys=batch.key, staged_keys=batch.key.new_zeros(1, 2, 128, 128),
+                         sequence_slots=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=f"group_as_n needs {match}"):
+        paged_attention(batch.query, torch.zeros(4, 2, 136 * 128, dtype=torch.uint8), batch.block_table,
+                        batch.seq_lens, batch.query_start_loc, batch.max_query_len, SOFTMAX_SCALE, scheme,
+                        torch.empty_like(batch.query), launch=launch, **own_block)
+
+
 def test_ptx_unpack_is_refused_by_the_interpreter():
     """Off the GPU the option is an error naming the cause, never a silent fall-back to another path."""
     if torch.cuda.is_available():

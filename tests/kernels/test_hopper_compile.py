@@ -25,8 +25,9 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     # dtype, KIVI's store with its staging pool also closes over every row and stages (1 + 1), a second store closes
     # over listed rows (store 1, close 1), and its own-key gather (1); per scheme, head_dim and dtype the split
     # decode with a dependent merge, unmasked full tiles and joint row sums (attention and merge, 12 each), and the
-    # prefill with unmasked full tiles (attention 12)
-    assert launches == {"_paged_attention_kernel": 72 + 18 + 12 + 12, "_merge_splits_kernel": 24 + 6 + 12,
+    # prefill with unmasked full tiles (attention 12); per int4_saw scheme, head_dim and dtype the split decode with
+    # the query rows as the MMA's N (attention and merge, 8 each)
+    assert launches == {"_paged_attention_kernel": 72 + 18 + 12 + 12 + 8, "_merge_splits_kernel": 24 + 6 + 12 + 8,
                         "_store_per_token_kernel": 12 + 4, "_kivi_close_kernel": 4 + 4,
                         "_kivi_stage_kernel": 4, "_gather_dense_kernel": 6 + 6,
                         "_gather_own_keys_kernel": 4}, launches
@@ -38,3 +39,5 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     assert unmasked == {"_paged_attention_kernel": 24}, unmasked
     joint = Counter(line.split(":")[0] for line in result.stdout.splitlines() if "JOINT_ROW_SUMS=True" in line)
     assert joint == {"_paged_attention_kernel": 12}, joint
+    group_as_n = Counter(line.split(":")[0] for line in result.stdout.splitlines() if "GROUP_AS_N=True" in line)
+    assert group_as_n == {"_paged_attention_kernel": 8}, group_as_n

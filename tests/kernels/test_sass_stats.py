@@ -39,6 +39,26 @@ def sass_stats(tmp_path_factory, scheme_name: str, *launches: str, code_loads: s
     return result.stdout, json.loads((tmp / "loops.json").read_text())
 
 
+def test_group_as_n_halves_the_mma_and_meets_only_for_the_pipeline(saw_stats, tmp_path_factory):
+    """int4_saw's decode with the query rows as the MMA's N, each warp its own tokens (LaunchConfig.group_as_n): half
+    the tile loop's MMAs, and the warps meet only where the software pipeline hands its buffers over (the tile loop
+    meets at every cross-warp reduction and at P's layout change), in fewer instructions."""
+    table, loops = saw_stats
+    group_table, group_loops = sass_stats(tmp_path_factory, "int4_saw", options=("--group-as-n",))
+    for path in ("biased+ptx", "subnormal+ptx"):
+        label = f"int4_saw bf16 {path} 128x4x5 wide"
+        tile_loop, group_loop = loops[label], group_loops[f"{label} group as N"]
+
+        def count(histogram, prefix):
+            return sum(n for name, n in histogram.items() if name.startswith(prefix))
+
+        assert 2 * count(group_loop, "HMMA") == count(tile_loop, "HMMA") == 64, (tile_loop, group_loop)
+        row, group_row = table_row(table, label), table_row(group_table, f"{label} group as N")
+        assert int(group_row["CTA barriers per tile"]) <= 2 < int(row["CTA barriers per tile"]), (row, group_row)
+        assert sum(group_loop.values()) < sum(tile_loop.values()), (path, sum(tile_loop.values()),
+                                                                    sum(group_loop.values()))
+
+
 def table_row(table: str, label: str) -> dict[str, str]:
     """The printed table's row of one variant (its label: scheme, dtype, code path, TILExWARPSxSTAGES), by column."""
     lines = [line for line in table.splitlines() if line.startswith("|")]

@@ -88,8 +88,9 @@ def compile_only():
 def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_heads: int = 4) -> None:
     """Every launch the backend makes, once per head_dim, scheme and query dtype (compile_only records them): at
     head_dim 128 with every attention code path (attention.CODE_PATHS, which the benchmark and tuning tools sweep),
-    at head_dim 64 the backend's own launches; int4_kivi's store and attention with its staging pool
-    (kernels/staging.py), its close over listed rows, and its own-key gather."""
+    at head_dim 64 the backend's own launches; the launch options (int4_saw's group_as_n among them); int4_kivi's
+    store and attention with its staging pool (kernels/staging.py), its close over listed rows, and its own-key
+    gather."""
     from s4kv.kernels import attention
     from s4kv.kernels.dense import gather_dense_kv, gather_own_keys
     from s4kv.kernels.layout import KIVI_BLOCK_SIZE, cache_shape
@@ -146,6 +147,14 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
         attention.paged_attention(q, cache, block_table, seq_lens, torch.tensor([0, 3, 20], dtype=torch.int32), 17,
                                   0.1, scheme, torch.empty_like(q),
                                   launch=replace(attention.PREFILL_LAUNCH, unmasked_full_tiles=True), **own_block)
+        if not scheme.is_kivi:  # split decode with the query rows as the MMA's N (LaunchConfig.group_as_n)
+            q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype)
+            attention.paged_attention(
+                q, cache, block_table, seq_lens, torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, scheme,
+                torch.empty_like(q),
+                workspace=attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cpu", scheme.name),
+                launch=replace(attention.DECODE_LAUNCH[scheme.name], group_as_n=True,
+                               subnormal_codes=head_dim in attention.SUBNORMAL_HEAD_DIMS))
         dense_k = torch.empty(6, block_size, num_kv_heads, head_dim, dtype=dtype)
         dense_v = torch.empty_like(dense_k)
         cu_pages = torch.tensor([0, 3, 4], dtype=torch.int32)

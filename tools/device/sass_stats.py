@@ -17,6 +17,7 @@ half of them the profile measured. Above that bandwidth the instruction count, n
     python tools/device/sass_stats.py --code-loads bytes     # the same with codes read a byte per element
     python tools/device/sass_stats.py --unmasked-full-tiles  # the same with the wholly seen tiles unmasked
     python tools/device/sass_stats.py --joint-row-sums     # the same with a tile's row sums in one reduction
+    python tools/device/sass_stats.py --group-as-n --schemes int4_saw  # the query rows as the MMA's N, per warp
     python tools/device/sass_stats.py --json out.json        # also each loop's histogram of instructions (mnemonics)
 
 Counts are static: one pass through the first tile loop (in int4_kivi the tiles before a program's own block, keys
@@ -213,15 +214,16 @@ def launch_label(launch: attention.LaunchConfig) -> str:
     """TILExWARPSxSTAGES of a decode launch as the table names it, with its tile-loop options."""
     tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
     return (f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" wide" if launch.wide_code_loads else "")
-            + (" unmasked" if launch.unmasked_full_tiles else "") + (" joint sums" if launch.joint_row_sums else ""))
+            + (" unmasked" if launch.unmasked_full_tiles else "") + (" joint sums" if launch.joint_row_sums else "")
+            + (" group as N" if launch.group_as_n else ""))
 
 
 def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], code_loads: str | None = None,
-             unmasked: bool = False, joint_sums: bool = False):
+             unmasked: bool = False, joint_sums: bool = False, group_as_n: bool = False):
     """(label, scheme, query dtype, launch) of every variant to compile: each launch (default: the scheme's
     DECODE_LAUNCH) with each code path; ``code_loads`` "bytes" or "wide": its codes read a byte or two bytes per
     element (None: as the launch does), ``unmasked``: the tiles every row sees wholly run without the masks,
-    ``joint_sums``: a tile's row sums in one reduction."""
+    ``joint_sums``: a tile's row sums in one reduction, ``group_as_n``: the query rows as the MMA's N (int4_saw)."""
     for name in scheme_names:
         scheme = Int4Scheme(name)
         kept = attention.kept_launch_options(name)
@@ -232,6 +234,8 @@ def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], co
                 base = replace(base, unmasked_full_tiles=True)
             if joint_sums:
                 base = replace(base, joint_row_sums=True)
+            if group_as_n:
+                base = replace(base, group_as_n=True)
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
                     yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)
@@ -250,13 +254,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="the tiles every row sees wholly without the masks (LaunchConfig.unmasked_full_tiles)")
     parser.add_argument("--joint-row-sums", action="store_true",
                         help="a tile's two row sums in one reduction (LaunchConfig.joint_row_sums)")
+    parser.add_argument("--group-as-n", action="store_true",
+                        help="the query rows as the MMA's N, each warp its own tokens (LaunchConfig.group_as_n; "
+                             "int4_saw)")
     parser.add_argument("--json", type=Path, help="also write every variant's loop histogram (mnemonics) here")
     args = parser.parse_args(argv)
 
     rows, histograms = [], {}
     for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(","),
                                                     [t for t in args.launches.split(",") if t], args.code_loads,
-                                                    args.unmasked_full_tiles, args.joint_row_sums):
+                                                    args.unmasked_full_tiles, args.joint_row_sums, args.group_as_n):
         print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
         kernel = compile_decode(scheme, q_dtype, launch)
         prologue, loop = hottest_loop(*disassemble(kernel.cubin))
