@@ -66,6 +66,23 @@ def run_reference(batch, cache, scheme) -> torch.Tensor:
                                SOFTMAX_SCALE, scheme)
 
 
+def decode_batch(gen, kernel_device, scheme, group: int, num_splits: int | None, head_dim: int):
+    """(batch, cache, workspace) of the DECODE contexts at a GQA ratio, stored by the reference, guard blocks around
+    the pages; a split workspace of ``num_splits`` (None: one pass) with NaN-poisoned partials."""
+    num_q_heads, num_kv_heads = heads_for(group)
+    batch = make_paged_batch(gen, DECODE, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
+                             device=kernel_device, num_padding=1, head_dim=head_dim)
+    cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
+    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    workspace = None
+    if num_splits is not None:
+        workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
+                                            max_num_seqs=len(DECODE), num_splits=num_splits)
+        workspace.part_acc.fill_(float("nan"))
+        workspace.part_ml.fill_(float("nan"))
+    return batch, cache, workspace
+
+
 def assert_attention_close(out, expected, what: str) -> None:
     assert out.shape == expected.shape, f"{what}: output shape {tuple(out.shape)}"
     nan_rows = torch.isnan(out).flatten(1).any(1)
@@ -106,17 +123,7 @@ def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, schem
     """max_query_len 1. num_splits None: no workspace (one pass); 4-16 splits (at 16, some empty); contexts at page
     edges and within a tile's first tokens."""
     scheme = SCHEMES[scheme_name]
-    num_q_heads, num_kv_heads = heads_for(group)
-    batch = make_paged_batch(gen, DECODE, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
-                             device=kernel_device, num_padding=1, head_dim=head_dim)
-    cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    workspace = None
-    if num_splits is not None:
-        workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
-                                            max_num_seqs=len(DECODE), num_splits=num_splits)
-        workspace.part_acc.fill_(float("nan"))
-        workspace.part_ml.fill_(float("nan"))
+    batch, cache, workspace = decode_batch(gen, kernel_device, scheme, group, num_splits, head_dim)
     assert_attention_close(run_kernel(batch, cache, scheme, workspace), run_reference(batch, cache, scheme),
                            f"{scheme_name} GQA {group} num_splits {num_splits} head_dim {head_dim}")
 
@@ -265,17 +272,7 @@ def test_group_as_n_matches_the_reference(gen, kernel_device, scheme_name, group
     a warp's first tokens, rotated values, head_dim 64 and 128, against the reference and against the tile loop,
     which only sums in another order."""
     scheme = SCHEMES[scheme_name]
-    num_q_heads, num_kv_heads = heads_for(group)
-    batch = make_paged_batch(gen, DECODE, num_q_heads, num_kv_heads, block_size=128, dtype=torch.float16,
-                             device=kernel_device, num_padding=1, head_dim=head_dim)
-    cache = with_guard_blocks(cache_with_prefix(batch, scheme, gen, kernel_device), gen)
-    ref.store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    workspace = None
-    if num_splits is not None:
-        workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, kernel_device,
-                                            max_num_seqs=len(DECODE), num_splits=num_splits)
-        workspace.part_acc.fill_(float("nan"))
-        workspace.part_ml.fill_(float("nan"))
+    batch, cache, workspace = decode_batch(gen, kernel_device, scheme, group, num_splits, head_dim)
     tile_loop = dataclasses.replace(DECODE_LAUNCH[scheme.name], ptx_unpack=kernel_device.type == "cuda",
                                     **{k: v for k, v in CODE_PATHS[code_path].items() if k != "ptx_unpack"})
     out = run_kernel(batch, cache, scheme, workspace, dataclasses.replace(tile_loop, group_as_n=True))
