@@ -140,6 +140,24 @@ def test_store_and_attention_at_real_sizes(request, error_table, dtype_name, sch
                     f"| {shape} | {dtype_name} | {scheme_name} | {codes} | {kind}", f"{mismatch:.2%}")
 
 
+@pytest.mark.parametrize("codes", list(CODE_PATHS))
+@pytest.mark.parametrize("scheme_name,shape", [(scheme, shape) for scheme, shape in SCHEME_SHAPES if scheme != "kivi"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_group_as_n_decode_at_real_sizes(request, error_table, dtype_name, scheme_name, shape, codes):
+    """int4_saw's decode with the query rows as the MMA's N (LaunchConfig.group_as_n) with each code path, 64
+    decodes of 1k-8k tokens, split by the scheme's rule."""
+    scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
+    num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
+    gen = gpu_gen(request)
+    batch = make_paged_batch(gen, batch_specs("decode64", gen), num_q_heads, num_kv_heads, block_size=128,
+                             dtype=dtype, device="cuda", num_padding=8, head_dim=head_dim)
+    cache = cache_with_prefix(batch, scheme, gen, "cuda")
+    store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
+    launch = dataclasses.replace(DECODE_LAUNCH["int4_saw"], group_as_n=True, **CODE_PATHS[codes])
+    check_attention(error_table, batch, cache, scheme, launch,
+                    f"| {shape} | {dtype_name} | {scheme_name} | {codes}, group as N | decode64", "-")
+
+
 def check_attention(error_table, batch, cache, scheme, launch, row_start: str, mismatch: str) -> None:
     """int4_saw attention of ``batch`` over ``cache`` at ``launch`` (decode: the split workspace of the scheme's
     rule) against the float32 reference and bf16 attention over the unquantized K/V; one row of the error table."""
