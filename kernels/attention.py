@@ -420,6 +420,25 @@ def _add_pairs(a0, b0, a1, b1):
 
 
 @triton.jit
+def _tile_regions(tile, seq, kv_head, cache_u8_ptr, block_table_ptr, block_table_stride, stride_block, stride_head,
+                  TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr):
+    """Pointers to a K/V tile in its page (layout.py, head_dim D = 2 * HALF): (its first key code byte, its first
+    byte in the channel-major value codes, the page's per-channel key params as fp16 (int4_kivi's closed blocks), the
+    tile's first per-token key and value (scale, min) pairs as fp16). Each region is a pointer and the tile a scalar
+    step into it: the tensor offsets (slots, channels) are then the same every tile, and a load's address one add
+    (page and in-page offsets as one tensor were redone in 64 bits every tile, and an index into the cache as int16
+    or fp16 halved the byte offset: a signed division)."""
+    start = tile * TILE
+    physical = tl.load(block_table_ptr + seq * block_table_stride + start // BLOCK_SIZE).to(tl.int64)
+    page_ptr = cache_u8_ptr + (physical * stride_block + kv_head * stride_head)
+    in_page = tl.multiple_of(start % BLOCK_SIZE, TILE)  # aligned: vector loads
+    k_channel_params = (page_ptr + (2 * HALF + 4) * BLOCK_SIZE).to(tl.pointer_type(tl.float16))
+    v_token_params = (page_ptr + 2 * HALF * BLOCK_SIZE).to(tl.pointer_type(tl.float16)) + 2 * in_page
+    return (page_ptr + in_page * HALF, page_ptr + HALF * BLOCK_SIZE + in_page, k_channel_params,
+            k_channel_params + 2 * in_page, v_token_params)
+
+
+@triton.jit
 def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, qr_sum_scaled, q_rows, row_live,
                  may_live, q_pos, seq, q_start, context, seq_len, kv_end, kv_head, qk_scale, cache_u8_ptr,
                  block_table_ptr, block_table_stride, stride_block, stride_head, new_keys_ptr, new_keys_stride_t,
@@ -437,28 +456,19 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
     LaunchConfig.wide_code_loads), qr_sum_scaled their sums times qk_scale; JOINT_SUMS: LaunchConfig.joint_row_sums.
     Scores come out of the _scores_* functions already times qk_scale (log2 units)."""
     dt = q_lo.dtype
-    layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
-    layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
-    layout_k_params: tl.constexpr = (2 * HALF + 4) * BLOCK_SIZE
     start = tile * TILE
     logical_block = start // BLOCK_SIZE
-    physical = tl.load(block_table_ptr + seq * block_table_stride + logical_block).to(tl.int64)
-    page_ptr = cache_u8_ptr + (physical * stride_block + kv_head * stride_head)
-    in_page = tl.multiple_of(start % BLOCK_SIZE, TILE)  # aligned: vector loads
+    k_codes, v_codes, k_params, k_token_params, v_token_params = _tile_regions(
+        tile, seq, kv_head, cache_u8_ptr, block_table_ptr, block_table_stride, stride_block, stride_head, TILE,
+        BLOCK_SIZE, HALF)
     slots = tl.arange(0, TILE)
-    offset = in_page + slots
+    offset = start % BLOCK_SIZE + slots
     k_pos = start + slots
     # slots past the sequence end hold stale bytes: never let them reach the P @ V product
     written = k_pos < seq_len
-    # Each region of the page as a pointer, the tile as a scalar step into it: the tensor offsets (slots, channels)
-    # are then the same every tile, and a load's address one add. Page and in-page offsets as one tensor were redone
-    # in 64 bits every tile, and an index into the cache as int16 or fp16 halved the byte offset (a signed division)
-    k_params = (page_ptr + layout_k_params).to(tl.pointer_type(tl.float16))  # per channel (int4_kivi's closed blocks)
-    k_token_params = k_params + 2 * in_page  # per token: (scale, min) of each slot
-    v_token_params = (page_ptr + layout_v_params).to(tl.pointer_type(tl.float16)) + 2 * in_page
     # the key codes are loaded outside the branches: Triton's pipeliner prefetches only top-level loads
-    k_parts = _load_key_parts(page_ptr + in_page * HALF, WIDE, TILE, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16,
-                              CODE_BIAS_BITS, CODE_BIAS, HALF)
+    k_parts = _load_key_parts(k_codes, WIDE, TILE, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS,
+                              CODE_BIAS, HALF)
     if IS_KIVI:
         if not TAIL:  # a block before the program's own blocks: closed for every row, per channel
             scores = _scores_per_channel(q_lo, q_hi, k_parts, k_params, qk_scale, CODE_SCALE, HALF, PAIRED,
@@ -500,8 +510,8 @@ def _attend_tile(tile, m_i, l_i, acc_lo, acc_hi, acc_min, q_lo, q_hi, qr_parts, 
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(scores - m_ref[:, None])
     alpha = tl.where(may_live, tl.exp2(m_i - m_ref), 1.0)
-    v_parts = _load_value_parts(page_ptr + layout_v_codes + in_page, WIDE, TILE, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL,
-                                IS_BF16, CODE_BIAS_BITS, CODE_BIAS, HALF)
+    v_parts = _load_value_parts(v_codes, WIDE, TILE, BLOCK_SIZE, PTX_UNPACK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS,
+                                CODE_BIAS, HALF)
     sv, mv = load_token_params(v_token_params, slots, written, PAIRED, FULL)
     p_sv = tl.where(may_live[:, None], p * sv[None, :], 0.0)
     p_mv = tl.where(may_live[:, None], p * mv[None, :], 0.0)
@@ -538,9 +548,6 @@ def _attend_group_as_n(first_tile, last_tile, qr_parts, qr_sum_scaled, seq, seq_
     of every tile (the batched dots' first axis is the warp) and keeps its own online softmax; the warps merge once
     at the end. Returns (m, l, acc_lo, acc_hi, acc_min) as the tile loop leaves them (_attend_tile)."""
     SUB: tl.constexpr = TILE // WARPS
-    layout_v_codes: tl.constexpr = HALF * BLOCK_SIZE  # layout.py, head_dim D = 2 * HALF
-    layout_v_params: tl.constexpr = 2 * HALF * BLOCK_SIZE
-    layout_k_params: tl.constexpr = (2 * HALF + 4) * BLOCK_SIZE
     N: tl.constexpr = qr_parts[0].shape[0]
     dt = qr_parts[0].dtype
     # q^T, the MMA's B operand, the same for every warp
@@ -558,18 +565,16 @@ def _attend_group_as_n(first_tile, last_tile, qr_parts, qr_sum_scaled, seq, seq_
     i = tl.arange(0, HALF // 2)
     j = tl.arange(0, HALF)
     for tile in range(first_tile, last_tile):
-        start = tile * TILE
-        physical = tl.load(block_table_ptr + seq * block_table_stride + start // BLOCK_SIZE).to(tl.int64)
-        page_ptr = cache_u8_ptr + (physical * stride_block + kv_head * stride_head)
-        in_page = tl.multiple_of(start % BLOCK_SIZE, TILE)  # aligned: vector loads
+        k_codes, v_codes, _, k_params, v_params = _tile_regions(
+            tile, seq, kv_head, cache_u8_ptr, block_table_ptr, block_table_stride, stride_block, stride_head, TILE,
+            BLOCK_SIZE, HALF)
         # token t's int16 word i holds bytes 2i and 2i + 1: the four parts are _query_parts' channel quarters
-        k_words = (page_ptr + in_page * HALF).to(tl.pointer_type(tl.int16))
+        k_words = k_codes.to(tl.pointer_type(tl.int16))
         k_parts = _unpack_quarters(tl.load(k_words + slots[:, :, None] * (HALF // 2) + i[None, None, :]), PTX_UNPACK,
                                    SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
         raw = tl.dot(k_parts[3], qt3, tl.dot(k_parts[2], qt2, tl.dot(k_parts[1], qt1, tl.dot(k_parts[0], qt0))))
         # slots past the sequence end hold stale bytes; a decode row sees every written slot
-        written = (start + slots) < seq_len
-        k_params = (page_ptr + layout_k_params).to(tl.pointer_type(tl.float16)) + 2 * in_page
+        written = (tile * TILE + slots) < seq_len
         s_t, m_t = load_token_params(k_params, slots, written, PAIRED)
         scores = raw * (s_t * (CODE_SCALE * qk_scale))[:, :, None] + m_t[:, :, None] * qr_sum_scaled[None, None, :]
         scores = tl.where(written[:, :, None], scores, float("-inf"))
@@ -577,13 +582,12 @@ def _attend_group_as_n(first_tile, last_tile, qr_parts, qr_sum_scaled, seq, seq_
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(scores - m_ref[:, None, :])
         alpha = tl.exp2(m_i - m_ref)
-        v_params = (page_ptr + layout_v_params).to(tl.pointer_type(tl.float16)) + 2 * in_page
         sv, mv = load_token_params(v_params, slots, written, PAIRED)
         # channel byte j's int16 word holds tokens 2i and 2i + 1: parts (channel j, HALF + j) of the even tokens,
         # then of the odd ones, against P^T's rows of those tokens
         p_even, p_odd = tl.split(tl.permute(tl.reshape((p * sv[:, :, None]).to(dt), [WARPS, SUB // 2, 2, N]),
                                             (0, 1, 3, 2)))
-        v_words = (page_ptr + layout_v_codes + in_page).to(tl.pointer_type(tl.int16))
+        v_words = v_codes.to(tl.pointer_type(tl.int16))
         v_parts = _unpack_quarters(tl.load(v_words + j[None, :, None] * (BLOCK_SIZE // 2) + pairs[:, None, :]),
                                    PTX_UNPACK, SUBNORMAL, IS_BF16, CODE_BIAS_BITS, CODE_BIAS)
         acc_lo = tl.dot(v_parts[2], p_odd, tl.dot(v_parts[0], p_even, acc_lo * alpha[:, None, :]))

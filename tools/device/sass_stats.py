@@ -211,7 +211,7 @@ def parse_launch(text: str) -> attention.LaunchConfig:
 
 
 def launch_label(launch: attention.LaunchConfig) -> str:
-    """TILExWARPSxSTAGES of a decode launch as the table names it, with its tile-loop options."""
+    """TILExWARPSxSTAGES of a decode launch as the table names it, with its loop options."""
     tile = tile_tokens(KIVI_BLOCK_SIZE, launch.tile)
     return (f"{tile}x{launch.num_warps}x{launch.num_stages}" + (" wide" if launch.wide_code_loads else "")
             + (" unmasked" if launch.unmasked_full_tiles else "") + (" joint sums" if launch.joint_row_sums else "")
