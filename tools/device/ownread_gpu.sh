@@ -13,9 +13,12 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 
 TEST_S=${TEST_S:-140}
 echo "== GPU tests of the read rule, bounded to ${TEST_S}s, at ${SECONDS}s"
-# the launch options' tests first (each compiles a few kernels), then the read rule's (many compiles)
+# the launch options' tests first (each compiles a few kernels), the decode at real sizes, then the read rule's (many
+# compiles)
 timeout "$TEST_S" python3 -m pytest \
   "tests/kernels/test_attention_kernel.py::test_group_as_n_matches_the_reference" \
+  "tests/kernels/test_gpu_kernels.py::test_group_as_n_decode_at_real_sizes" \
+  "tests/kernels/test_gpu_kernels.py::test_store_and_attention_at_real_sizes" \
   "tests/kernels/test_attention_kernel.py::test_wide_code_loads_match_the_reference" \
   "tests/kernels/test_attention_kernel.py::test_joint_row_sums_match_the_reference" \
   "tests/kernels/test_attention_kernel.py::test_unmasked_full_tiles_match_the_reference" \
@@ -29,13 +32,14 @@ grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ownread_tests.log" 
 
 DECODE_S=${DECODE_S:-140}
 # DECODE_METHODS: bench_kernels.py methods; LAUNCHES: space-separated --launch specs (NAME=SCHEME:FIELD=VALUE,...);
-# DECODE_SHAPES: bench_kernels.py --shapes
+# DECODE_SHAPES, DECODE_CONTEXTS: bench_kernels.py --shapes, --contexts
 DECODE_METHODS=${DECODE_METHODS:-fa3_bf16,s4kv_kivi,s4kv_saw}
 LAUNCH_ARGS=()
 for spec in ${LAUNCHES:-}; do LAUNCH_ARGS+=(--launch "$spec"); done
-echo "== decode attention, batch 1/32/256 x 4k/32k, $DECODE_METHODS ${LAUNCHES:-}, bounded to ${DECODE_S}s, at ${SECONDS}s"
+DECODE_CONTEXTS=${DECODE_CONTEXTS:-4096,32768}
+echo "== decode attention, batch 1/32/256 x contexts $DECODE_CONTEXTS, $DECODE_METHODS ${LAUNCHES:-}, bounded to ${DECODE_S}s, at ${SECONDS}s"
 timeout "$DECODE_S" python3 tools/device/bench_kernels.py --out "$OUT" --methods "$DECODE_METHODS" "${LAUNCH_ARGS[@]}" \
-  --shapes "${DECODE_SHAPES:-llama-3.1-8b}" --batches 1,32,256 --contexts 4096,32768 --no-store \
+  --shapes "${DECODE_SHAPES:-llama-3.1-8b}" --batches 1,32,256 --contexts "$DECODE_CONTEXTS" --no-store \
   --budget-s $((DECODE_S - 30)) \
   > "$OUT/kernels.log" 2>&1
 echo "decode exit $?"
