@@ -106,18 +106,21 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
 # tile's copies stay in flight; 7 change nothing more. Codes read two bytes per element (wide_code_loads) with
 # the register caps that measured fastest with them: int4_saw at 96 fits five programs per SM.
 DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
-                                           paired_param_loads=True, max_registers=128, wide_code_loads=True),
+                                           paired_param_loads=True, max_registers=128, wide_code_loads=True,
+                                           unmasked_full_tiles=True),
                  "int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
-                                          paired_param_loads=True, max_registers=96, wide_code_loads=True)}
+                                          paired_param_loads=True, max_registers=96, wide_code_loads=True,
+                                          unmasked_full_tiles=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
 
 
 def kept_launch_options(scheme_name: str) -> dict:
     """The DECODE_LAUNCH fields of a scheme that launch sweeps keep while they vary the tile, warps, stages and code
-    path: how the kernel loads the codes and the parameters, and the register cap measured with that."""
+    path: how the kernel loads the codes and the parameters, the register cap measured with that, and whether the
+    wholly seen tiles run unmasked."""
     launch = DECODE_LAUNCH[scheme_name]
     return {"paired_param_loads": launch.paired_param_loads, "max_registers": launch.max_registers,
-            "wide_code_loads": launch.wide_code_loads}
+            "wide_code_loads": launch.wide_code_loads, "unmasked_full_tiles": launch.unmasked_full_tiles}
 
 # The subnormal code path faults (illegal address) on the H200 at head_dim 64, where the biased one passes the GPU
 # tests: a default launch at another head_dim takes the biased codes, an explicit one is refused.

@@ -131,7 +131,7 @@ def test_unmasked_full_tiles_follow_the_rule(gen, kernel_device, specs, head_dim
     batch, cache, pool = stored_step(gen, specs, head_dim, kernel_device, num_q_heads=7, num_kv_heads=1)
     base = dataclasses.replace(DECODE_LAUNCH[KIVI.name], tile=tile) if tile else PREFILL_LAUNCH
     masked = dataclasses.replace(base, ptx_unpack=kernel_device.type == "cuda", wide_code_loads=wide,
-                                 subnormal_codes=base.subnormal_codes and head_dim == 128)
+                                 subnormal_codes=base.subnormal_codes and head_dim == 128, unmasked_full_tiles=False)
     workspace = None
     if num_splits:
         workspace = SplitWorkspace.allocate(7, 1, head_dim, kernel_device, num_splits=num_splits)

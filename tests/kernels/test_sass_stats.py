@@ -47,13 +47,13 @@ def test_group_as_n_halves_the_mma_and_meets_only_for_the_pipeline(saw_stats, tm
     group_table, group_loops = sass_stats(tmp_path_factory, "int4_saw", options=("--group-as-n",))
     for path in ("biased+ptx", "subnormal+ptx"):
         label = f"int4_saw bf16 {path} 128x4x5 wide"
-        tile_loop, group_loop = loops[label], group_loops[f"{label} group as N"]
+        tile_loop, group_loop = loops[f"{label} unmasked"], group_loops[f"{label} group as N"]
 
         def count(histogram, prefix):
             return sum(n for name, n in histogram.items() if name.startswith(prefix))
 
         assert 2 * count(group_loop, "HMMA") == count(tile_loop, "HMMA") == 64, (tile_loop, group_loop)
-        row, group_row = table_row(table, label), table_row(group_table, f"{label} group as N")
+        row, group_row = table_row(table, f"{label} unmasked"), table_row(group_table, f"{label} group as N")
         assert int(group_row["CTA barriers per tile"]) <= 2 < int(row["CTA barriers per tile"]), (row, group_row)
         assert sum(group_loop.values()) < sum(tile_loop.values()), (path, sum(tile_loop.values()),
                                                                     sum(group_loop.values()))
@@ -147,22 +147,22 @@ def test_copies_in_flight_reads_the_pipeline_depth(tmp_path_factory):
     """The column against what the stage count must give: none in flight at 3 stages, some at 5."""
     table, _ = sass_stats(tmp_path_factory, "int4_kivi", "128x4x3", "128x4x5", code_loads="bytes")
     in_flight = {stages: table_row(table, f"int4_kivi bf16 subnormal+ptx {stages}")["copy groups in flight at the wait"]
-                 for stages in ("128x4x3", "128x4x5")}
-    assert in_flight["128x4x3"] == "0" and int(in_flight["128x4x5"]) > 0, in_flight
+                 for stages in ("128x4x3 unmasked", "128x4x5 unmasked")}
+    assert in_flight["128x4x3 unmasked"] == "0" and int(in_flight["128x4x5 unmasked"]) > 0, in_flight
 
 
 def test_int4_saw_rotates_q_in_a_short_prologue(kivi_decode, saw_stats):
     """A decode split at batch 1 holds one tile, so what a program runs before its first tile weighs as much as the
     loop. int4_saw's is q's rotation: built from one sign quadrant and two dots it stays within 3x int4_kivi's
-    prologue (no rotation) and 1.6x the tile loop (which the wide subnormal loads, the folded dead rows and the
-    per-tile pointers took to about 600 instructions); four generated quadrants and four dots made it 6x (1,771
-    against 288 instructions) and 1.6x the byte loop of then (1,100)."""
+    prologue (no rotation) and 1.8x the tile loop (which the wide subnormal loads, the folded dead rows, the
+    per-tile pointers and the unmasked tiles took to about 550 instructions); four generated quadrants and four dots
+    made it 6x (1,771 against 288 instructions) and 1.6x the byte loop of then (1,100)."""
     _, kivi_cells = kivi_decode
     saw_table, _ = saw_stats
     saw_cells = committed_row(saw_table, "int4_saw")
     saw_prologue = int(saw_cells["instructions before the first tile"])
     assert saw_prologue < 3 * int(kivi_cells["instructions before the first tile"]), (saw_cells, kivi_cells)
-    assert saw_prologue < 1.6 * int(saw_cells["total"]), saw_cells
+    assert saw_prologue < 1.8 * int(saw_cells["total"]), saw_cells
 
 
 def test_wide_code_loads_drop_the_operand_moves_and_the_byte_spreading(saw_stats, tmp_path_factory):
@@ -175,7 +175,7 @@ def test_wide_code_loads_drop_the_operand_moves_and_the_byte_spreading(saw_stats
     table, loops = sass_stats(tmp_path_factory, "int4_saw", "128x4x5", code_loads="bytes")
     for path in ("biased+ptx", "subnormal+ptx"):
         label = f"int4_saw bf16 {path} 128x4x5"
-        narrow, wide = loops[label], wide_loops[f"{label} wide"]
+        narrow, wide = loops[f"{label} unmasked"], wide_loops[f"{label} wide unmasked"]
 
         def count(histogram, prefix):
             return sum(n for name, n in histogram.items() if name.startswith(prefix))
@@ -184,23 +184,24 @@ def test_wide_code_loads_drop_the_operand_moves_and_the_byte_spreading(saw_stats
         assert 16 * count(wide, "PRMT") <= count(narrow, "PRMT"), (narrow, wide)
         assert 3 * count(wide, "IMAD.MOV") < count(narrow, "IMAD.MOV"), (narrow, wide)
         assert sum(wide.values()) < 0.85 * sum(narrow.values()), (path, sum(narrow.values()), sum(wide.values()))
-        narrow_row, wide_row = table_row(table, label), table_row(wide_table, f"{label} wide")
+        narrow_row, wide_row = table_row(table, f"{label} unmasked"), table_row(wide_table, f"{label} wide unmasked")
         assert int(wide_row["registers"]) <= int(narrow_row["registers"]), (narrow_row, wide_row)
-        assert wide_row["spill loads and stores per tile"] == "0", wide_row
+        # at the 96-register cap the unmasked loop keeps one value across the tile in local memory
+        assert int(wide_row["spill loads and stores per tile"]) <= 1, wide_row
 
 
 def test_dead_mma_rows_fold_away(kivi_decode, saw_stats, tmp_path_factory):
     """A GQA group of at most 8 fills the first half of the 16-row MMA tile, and a thread holds rows r and r + 8:
     the second row is dead, and its softmax must fold away (one exp2 per score a thread holds, 8 of a tile's 128
-    columns, and one for the row's rescale). Without selects on a row bound the compiler can prove, it lost the dead
-    row's -inf maximum at the cross-warp reduction and ran part of its softmax (11 exp2 a tile), and all of it in
-    the unmasked tiles (18)."""
-    _, unmasked_loops = sass_stats(tmp_path_factory, "int4_saw", options=("--unmasked-full-tiles",))
+    columns, and one for the row's rescale), in the unmasked tiles and with every tile masked. Without selects on a
+    row bound the compiler can prove, it lost the dead row's -inf maximum at the cross-warp reduction and ran part of
+    its softmax (11 exp2 a tile), and all of it in the unmasked tiles (18)."""
+    _, masked_loops = sass_stats(tmp_path_factory, "int4_saw", options=("--masked-full-tiles",))
     saw_table, saw_loops = saw_stats
     saw_label = committed_row(saw_table, "int4_saw")["label"]
     kivi_loop, _ = kivi_decode
     for name, loop in (("int4_saw", saw_loops[saw_label]), ("int4_kivi", kivi_loop),
-                       ("int4_saw unmasked", unmasked_loops[f"{saw_label} unmasked"])):
+                       ("int4_saw masked", masked_loops[saw_label.removesuffix(" unmasked")])):
         exp2 = sum(n for mnemonic, n in loop.items() if mnemonic.startswith("MUFU.EX2"))
         assert exp2 == 8 + 1, (name, exp2)
 
@@ -211,9 +212,9 @@ def test_joint_row_sums_take_a_reduction_round_trip_out_of_the_tile(saw_stats, t
     table, loops = saw_stats
     joint_table, joint_loops = sass_stats(tmp_path_factory, "int4_saw", options=("--joint-row-sums",))
     for path in ("biased+ptx", "subnormal+ptx"):
-        label = f"int4_saw bf16 {path} 128x4x5 wide"
+        label = f"int4_saw bf16 {path} 128x4x5 wide unmasked"
         row, joint_row = table_row(table, label), table_row(joint_table, f"{label} joint sums")
         assert int(joint_row["CTA barriers per tile"]) == int(row["CTA barriers per tile"]) - 3, (row, joint_row)
         plain, joint = loops[label], joint_loops[f"{label} joint sums"]
         assert sum(joint.values()) <= 1.01 * sum(plain.values()), (path, sum(plain.values()), sum(joint.values()))
-        assert joint_row["spill loads and stores per tile"] == "0"
+        assert int(joint_row["spill loads and stores per tile"]) <= 1, joint_row

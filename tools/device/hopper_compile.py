@@ -130,9 +130,9 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             prefill_qsl = torch.tensor([0, 3, 20], dtype=torch.int32)
             attention.paged_attention(q, cache, block_table, seq_lens, prefill_qsl, 17, 0.1, scheme,
                                       torch.empty_like(q), workspace=workspace, launch=prefill_launch, **own_block)
-        # the decode launch with the merge a dependent launch, the tiles every row sees wholly unmasked and a tile's
-        # row sums in one reduction (LaunchConfig.dependent_merge, unmasked_full_tiles, joint_row_sums)
-        optioned = replace(attention.DECODE_LAUNCH[scheme.name], dependent_merge=True, unmasked_full_tiles=True,
+        # the decode launch with the merge a dependent launch, every tile masked and a tile's row sums in one
+        # reduction (LaunchConfig.dependent_merge, unmasked_full_tiles off, joint_row_sums)
+        optioned = replace(attention.DECODE_LAUNCH[scheme.name], dependent_merge=True, unmasked_full_tiles=False,
                            joint_row_sums=True,
                            subnormal_codes=attention.DECODE_LAUNCH[scheme.name].subnormal_codes
                            and head_dim in attention.SUBNORMAL_HEAD_DIMS)
@@ -153,7 +153,7 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
                 q, cache, block_table, seq_lens, torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, scheme,
                 torch.empty_like(q),
                 workspace=attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cpu", scheme.name),
-                launch=replace(attention.DECODE_LAUNCH[scheme.name], group_as_n=True,
+                launch=replace(attention.DECODE_LAUNCH[scheme.name], group_as_n=True, unmasked_full_tiles=False,
                                subnormal_codes=head_dim in attention.SUBNORMAL_HEAD_DIMS))
         dense_k = torch.empty(6, block_size, num_kv_heads, head_dim, dtype=dtype)
         dense_v = torch.empty_like(dense_k)

@@ -15,15 +15,15 @@ half of them the profile measured. Above that bandwidth the instruction count, n
 
     python tools/device/sass_stats.py                        # every decode launch of both schemes, bf16 and fp16
     python tools/device/sass_stats.py --code-loads bytes     # the same with codes read a byte per element
-    python tools/device/sass_stats.py --unmasked-full-tiles  # the same with the wholly seen tiles unmasked
+    python tools/device/sass_stats.py --masked-full-tiles    # the same with every tile masked
     python tools/device/sass_stats.py --joint-row-sums     # the same with a tile's row sums in one reduction
     python tools/device/sass_stats.py --group-as-n --schemes int4_saw  # the query rows as the MMA's N, per warp
     python tools/device/sass_stats.py --json out.json        # also each loop's histogram of instructions (mnemonics)
 
 Counts are static: one pass through the first tile loop (in int4_kivi the tiles before a program's own block, keys
-per channel; its own-block loop after it runs a tile or two per program; with --unmasked-full-tiles int4_saw's
-loop over the tiles every row sees wholly, its masked tail after it). They predict, they do not measure: the GPU
-benchmark (tools/device/bench_kernels.py) decides.
+per channel; its own-block loop after it runs a tile or two per program; int4_saw's loop over the tiles every row
+sees wholly, its masked tail after it, or with --masked-full-tiles its one masked loop). They predict, they do not
+measure: the GPU benchmark (tools/device/bench_kernels.py) decides.
 """
 
 from __future__ import annotations
@@ -219,10 +219,10 @@ def launch_label(launch: attention.LaunchConfig) -> str:
 
 
 def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], code_loads: str | None = None,
-             unmasked: bool = False, joint_sums: bool = False, group_as_n: bool = False):
+             masked: bool = False, joint_sums: bool = False, group_as_n: bool = False):
     """(label, scheme, query dtype, launch) of every variant to compile: each launch (default: the scheme's
     DECODE_LAUNCH) with each code path; ``code_loads`` "bytes" or "wide": its codes read a byte or two bytes per
-    element (None: as the launch does), ``unmasked``: the tiles every row sees wholly run without the masks,
+    element (None: as the launch does), ``masked``: every tile masked (the launch's wholly seen tiles too),
     ``joint_sums``: a tile's row sums in one reduction, ``group_as_n``: the query rows as the MMA's N (int4_saw)."""
     for name in scheme_names:
         scheme = Int4Scheme(name)
@@ -230,12 +230,12 @@ def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], co
         for base in ([replace(parse_launch(text), **kept) for text in launches] or [attention.DECODE_LAUNCH[name]]):
             if code_loads is not None:
                 base = replace(base, wide_code_loads=code_loads == "wide")
-            if unmasked:
-                base = replace(base, unmasked_full_tiles=True)
+            if masked:
+                base = replace(base, unmasked_full_tiles=False)
             if joint_sums:
                 base = replace(base, joint_row_sums=True)
             if group_as_n:
-                base = replace(base, group_as_n=True)
+                base = replace(base, group_as_n=True, unmasked_full_tiles=False)  # a tile-loop option
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
                     yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)
@@ -250,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--code-loads", choices=("bytes", "wide"),
                         help="read the codes a byte or two bytes per element (LaunchConfig.wide_code_loads); "
                              "default: as each launch does")
-    parser.add_argument("--unmasked-full-tiles", action="store_true",
-                        help="the tiles every row sees wholly without the masks (LaunchConfig.unmasked_full_tiles)")
+    parser.add_argument("--masked-full-tiles", action="store_true",
+                        help="every tile masked, the wholly seen ones too (LaunchConfig.unmasked_full_tiles off)")
     parser.add_argument("--joint-row-sums", action="store_true",
                         help="a tile's two row sums in one reduction (LaunchConfig.joint_row_sums)")
     parser.add_argument("--group-as-n", action="store_true",
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, histograms = [], {}
     for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(","),
                                                     [t for t in args.launches.split(",") if t], args.code_loads,
-                                                    args.unmasked_full_tiles, args.joint_row_sums, args.group_as_n):
+                                                    args.masked_full_tiles, args.joint_row_sums, args.group_as_n):
         print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
         kernel = compile_decode(scheme, q_dtype, launch)
         prologue, loop = hottest_loop(*disassemble(kernel.cubin))
