@@ -89,6 +89,11 @@ class LaunchConfig:
     # accumulator registers
     group_as_n: bool = False
 
+    def with_group_as_n(self) -> "LaunchConfig":
+        """This launch with the group-as-N loop in place of the tile loop: the tile loop's options
+        (unmasked_full_tiles, joint_row_sums) off, which paged_attention refuses beside it."""
+        return replace(self, group_as_n=True, unmasked_full_tiles=False, joint_row_sums=False)
+
 
 # The ways codes become MMA operands, by name (LaunchConfig fields): what the GPU tests check and the tuning and
 # benchmark tools sweep. "+ptx" needs the GPU compiler.

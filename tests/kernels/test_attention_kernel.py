@@ -275,8 +275,7 @@ def test_group_as_n_matches_the_reference(gen, kernel_device, scheme_name, group
     batch, cache, workspace = decode_batch(gen, kernel_device, scheme, group, num_splits, head_dim)
     tile_loop = dataclasses.replace(DECODE_LAUNCH[scheme.name], ptx_unpack=kernel_device.type == "cuda",
                                     **{k: v for k, v in CODE_PATHS[code_path].items() if k != "ptx_unpack"})
-    out = run_kernel(batch, cache, scheme, workspace,
-                     dataclasses.replace(tile_loop, group_as_n=True, unmasked_full_tiles=False))
+    out = run_kernel(batch, cache, scheme, workspace, tile_loop.with_group_as_n())
     assert_attention_close(out, run_reference(batch, cache, scheme),
                            f"{scheme_name} group as N, GQA {group}, splits {num_splits}, head_dim {head_dim}")
     torch.testing.assert_close(out, run_kernel(batch, cache, scheme, workspace, tile_loop), rtol=5e-3, atol=5e-3)
@@ -292,8 +291,7 @@ def test_group_as_n_is_refused_where_it_does_not_apply(gen, options, match):
     options get a clear error, never another loop."""
     options = dict(options)
     scheme = KIVI if options.pop("scheme", None) else SCHEMES["saw128"]
-    launch = dataclasses.replace(DECODE_LAUNCH["int4_saw"], ptx_unpack=False, group_as_n=True,
-                                 **{"unmasked_full_tiles": False, **options})
+    launch = dataclasses.replace(DECODE_LAUNCH["int4_saw"].with_group_as_n(), ptx_unpack=False, **options)
     specs = [(0, 3)] if match == "a decode batch" else [(40, 1)]
     batch = make_paged_batch(gen, specs, 8, 2, block_size=128, dtype=torch.float16, device="cpu")
     own_block = {}

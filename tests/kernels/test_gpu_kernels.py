@@ -153,8 +153,7 @@ def test_group_as_n_decode_at_real_sizes(request, error_table, dtype_name, schem
                              dtype=dtype, device="cuda", num_padding=8, head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, "cuda")
     store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    launch = dataclasses.replace(DECODE_LAUNCH["int4_saw"], group_as_n=True, unmasked_full_tiles=False,
-                                 **CODE_PATHS[codes])
+    launch = dataclasses.replace(DECODE_LAUNCH["int4_saw"].with_group_as_n(), **CODE_PATHS[codes])
     check_attention(error_table, batch, cache, scheme, launch,
                     f"| {shape} | {dtype_name} | {scheme_name} | {codes}, group as N | decode64", "-")
 

@@ -153,7 +153,7 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
                 q, cache, block_table, seq_lens, torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, scheme,
                 torch.empty_like(q),
                 workspace=attention.SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cpu", scheme.name),
-                launch=replace(attention.DECODE_LAUNCH[scheme.name], group_as_n=True, unmasked_full_tiles=False,
+                launch=replace(attention.DECODE_LAUNCH[scheme.name].with_group_as_n(),
                                subnormal_codes=head_dim in attention.SUBNORMAL_HEAD_DIMS))
         dense_k = torch.empty(6, block_size, num_kv_heads, head_dim, dtype=dtype)
         dense_v = torch.empty_like(dense_k)

@@ -235,7 +235,7 @@ def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], co
             if joint_sums:
                 base = replace(base, joint_row_sums=True)
             if group_as_n:
-                base = replace(base, group_as_n=True, unmasked_full_tiles=False)  # a tile-loop option
+                base = base.with_group_as_n()
             for q_dtype in dtypes:
                 for code_path, options in attention.CODE_PATHS.items():
                     yield f"{name} {q_dtype} {code_path}", scheme, DTYPES[q_dtype], replace(base, **options)
