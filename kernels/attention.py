@@ -826,8 +826,9 @@ class DecodePlan(NamedTuple):
 # batch size only, for a model and device, so every CUDA graph (captured per batch size) keeps its grid. Measured on
 # the H200 at each scheme's launches (tools/device/sweep_splits.py; `--apply` writes this table).
 DECODE_SPLITS = {
-    "int4_kivi": ((0.043, 64, 1), (0.343, 32, 1), (0.686, 16, 2), (1.371, 16, 4), (5.485, 2, 1), (math.inf, 1, 1)),
-    "int4_saw": ((0.043, 64, 1), (0.121, 32, 1), (0.343, 16, 1), (0.686, 8, 2), (1.371, 8, 4), (2.743, 2, 1),
+    "int4_kivi": ((0.043, 64, 1), (0.121, 32, 1), (0.343, 16, 1), (0.686, 8, 1), (1.371, 4, 4), (2.743, 2, 1),
+                  (math.inf, 1, 1)),
+    "int4_saw": ((0.043, 64, 1), (0.121, 32, 1), (0.343, 16, 1), (0.686, 8, 1), (1.371, 4, 4), (2.743, 2, 1),
                  (math.inf, 1, 1)),
 }
 

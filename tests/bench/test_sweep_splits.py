@@ -43,10 +43,22 @@ def test_choose_minimizes_the_worst_slowdown_over_contexts_per_scheme():
     # 4 tiles run 8 live splits at 4k (32 tiles) and 32 at 32k (256): the fastest count at both, the 4k one estimated
     # with the margin for its empty splits
     assert (kivi["splits"], kivi["min_split_tiles"]) == (32, 4)
-    assert kivi["worst"] == pytest.approx(sweep_splits.MIN_TILES_MARGIN)
+    rest = sweep_splits.LAYER_REST_US
+    assert kivi["worst"] == pytest.approx((90.0 * sweep_splits.MIN_TILES_MARGIN + rest) / (90.0 + rest))
     assert kivi["cases"][("qwen2.5-7b", 4096)] == (pytest.approx(90.0 * sweep_splits.MIN_TILES_MARGIN), 90.0)
     assert chosen["int4_saw"][128]["splits"] == 4
     assert set(chosen) == {"int4_kivi", "int4_saw"}
+
+
+def test_choose_weighs_a_slowdown_with_the_layers_rest():
+    # 1 split: 4 us faster at 1k (1.17x as a ratio), 40 us slower at 32k (1.12x): with a layer's fixed rest the 32k
+    # loss is the larger slowdown of the step, and 2 splits are chosen
+    measured = rows({("int4_saw", 1024): {1: 23.0, 2: 27.0}, ("int4_saw", 32768): {1: 372.0, 2: 333.0}}, batch=64)
+    pick = sweep_splits.choose_splits(measured)["int4_saw"][256]
+    rest = sweep_splits.LAYER_REST_US
+    assert rest >= 30
+    assert pick["splits"] == 2
+    assert pick["worst"] == pytest.approx((27.0 + rest) / (23.0 + rest))
 
 
 def test_choose_pools_shapes_with_the_same_kv_head_programs():
@@ -153,8 +165,8 @@ def test_choose_estimates_min_split_tiles_from_the_counts_measured():
         r["tile"] = 128
     pick = sweep_splits.choose_splits(measured)["int4_saw"][256]
     assert (pick["splits"], pick["min_split_tiles"]) == (8, 4)
-    margin = sweep_splits.MIN_TILES_MARGIN
-    assert pick["worst"] == pytest.approx(52 * margin / 50)
+    margin, rest = sweep_splits.MIN_TILES_MARGIN, sweep_splits.LAYER_REST_US
+    assert pick["worst"] == pytest.approx((52 * margin + rest) / (50 + rest))
     assert pick["cases"][("qwen2.5-7b", 1024)] == (pytest.approx(52 * margin), 50.0)
     # without a gain beyond the margin for the unmeasured empty splits, the plain split count stands
     close = rows({("int4_saw", 1024): {1: 50.0, 2: 51.0, 8: 52.0}, ("int4_saw", 32768): {1: 900.0, 2: 600.0, 8: 400.0}},
@@ -190,7 +202,17 @@ def test_choose_gives_one_split_no_minimum():
     measured.append(dict(measured[0], committed=True, min_split_tiles=1, us=52.0))
     pick = sweep_splits.choose_splits(measured)["int4_saw"][1024]
     assert (pick["splits"], pick["min_split_tiles"]) == (1, 1)
-    assert pick["cases"][("qwen2.5-7b", 4096)] == (52.0, 50.0)
+    assert pick["cases"][("qwen2.5-7b", 4096)] == (50.0, 50.0)
+
+
+def test_choose_takes_the_faster_of_two_timings_of_one_split_count():
+    # the committed plan is the plain 2 splits, timed again after the candidates and slower (a lower clock): the
+    # candidate's own 400 us counts, and 2 splits, the faster at 32k, stays ahead of 1 split
+    measured = rows({("int4_saw", 4096): {1: 50.0, 2: 52.0}, ("int4_saw", 32768): {1: 420.0, 2: 400.0}}, batch=256)
+    measured.append(dict(measured[-1], committed=True, min_split_tiles=1, us=480.0))
+    pick = sweep_splits.choose_splits(measured)["int4_saw"][1024]
+    assert (pick["splits"], pick["min_split_tiles"]) == (2, 1)
+    assert pick["cases"][("qwen2.5-7b", 32768)] == (400.0, 400.0)
 
 
 def test_choose_reads_several_sweeps_the_later_replacing_the_earlier(tmp_path, capsys, monkeypatch):
