@@ -964,6 +964,11 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         if needs:
             raise ValueError(f"LaunchConfig.group_as_n needs {needs}: got {scheme.name}, max_query_len "
                              f"{max_query_len}, a {tile}-token tile over {launch.num_warps} warps")
+    if launch.wide_code_loads and launch.unmasked_full_tiles and not decode and not scheme.is_kivi:
+        # int4_saw with several queries a program gave NaN (64-token tiles) and an illegal address (128-token tiles)
+        # on the H100 with both, where each alone and int4_kivi with both pass the GPU tests
+        raise ValueError("LaunchConfig.wide_code_loads with unmasked_full_tiles faults on the GPU for int4_saw with "
+                         f"more than one query a sequence (max_query_len {max_query_len}): turn one of them off")
     if launch.subnormal_codes and head_dim not in SUBNORMAL_HEAD_DIMS:
         if not default_launch:
             raise ValueError(f"LaunchConfig.subnormal_codes is validated on the GPU at head_dim "
