@@ -25,6 +25,10 @@ SCHEME_OPTIONS: dict[SchemeName, frozenset[str]] = {
 SAW_HADAMARD_BLOCKS = (32, 64, 128)  # block sizes of int4_saw's block-diagonal Hadamard rotation (default: the head)
 # The head sizes both schemes are built for; kernels/layout.py lays out their pages and says why these.
 SUPPORTED_HEAD_DIMS = (64, 128)
+# The most query heads per KV head (the GQA group) the kernels are tested at: a decode program holds its sequence's
+# group in one 16-row MMA tile, and 16 (Llama-3.1-405B) is the largest group in the supported families. A larger
+# group would run 32-64-row tiles, a shape the GPU tests do not cover.
+MAX_GQA_GROUP = 16
 
 # --- how vLLM 0.26.0 is told to run them ---------------------------------------------------------------------
 CONFIG_KEY = "s4kv"  # additional_config key

@@ -16,7 +16,8 @@ from typing import Any, Mapping
 
 from s4kv.kernels.layout import KIVI_BLOCK_SIZE
 from s4kv.kernels.scheme import Int4Scheme
-from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SUPPORTED_HEAD_DIMS, find_options
+from s4kv.runtime.schemes import (ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, MAX_GQA_GROUP,
+                                 SUPPORTED_HEAD_DIMS, find_options)
 
 from .version import VLLM_VERSION, vllm_version_mismatch
 
@@ -78,6 +79,8 @@ class ModelFacts:
     architectures: tuple[str, ...]
     model_type: str
     head_dim: int | None
+    num_attention_heads: int = 0
+    num_kv_heads: int = 0
     vocab_size: int = 0
     rope_theta: float = 0.0
     rope_type: str = ""
@@ -112,6 +115,9 @@ class ModelFacts:
             architectures=architectures,
             model_type=model_type,
             head_dim=_head_dim(text, architectures, where),
+            num_attention_heads=_field(text, "num_attention_heads", int, where) or 0,
+            num_kv_heads=(_field(text, "num_key_value_heads", int, where)
+                          or _field(text, "num_attention_heads", int, where) or 0),
             vocab_size=_field(text, "vocab_size", int, where) or 0,
             rope_theta=float(_field(text, "rope_theta", float, where) or _field(rope, "rope_theta", float, where) or 0),
             rope_type=str(rope.get("rope_type") or rope.get("type") or ""),
@@ -140,6 +146,13 @@ class ModelFacts:
             hybrid=facts.hybrid or bool(model_config.is_hybrid),
             encoder_decoder=facts.encoder_decoder or bool(model_config.is_encoder_decoder),
         )
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads per KV head (1 where the config does not say)."""
+        if self.num_attention_heads <= 0 or self.num_kv_heads <= 0:
+            return 1
+        return self.num_attention_heads // self.num_kv_heads
 
     @property
     def family(self) -> str | None:
@@ -292,6 +305,11 @@ def model_rejections(config: S4KVConfig, model: ModelFacts) -> list[str]:
             config.scheme.hadamard_block_for(model.head_dim)
         except ValueError as err:
             reasons.append(f"{model.name}: {err}.")
+    if model.gqa_group > MAX_GQA_GROUP:
+        reasons.append(
+            f"{model.name} has {model.gqa_group} query heads per KV head ({model.num_attention_heads} and "
+            f"{model.num_kv_heads}); {scheme}'s kernels are tested at groups of at most {MAX_GQA_GROUP}."
+        )
     if model.uses_mla:
         reasons.append(f"{model.name} uses multi-head latent attention (MLA), which {scheme} does not support.")
     if model.sliding_window:

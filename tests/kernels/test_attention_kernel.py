@@ -92,7 +92,7 @@ def assert_attention_close(out, expected, what: str) -> None:
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("group", [1, 4, 7, 16])
 @pytest.mark.parametrize("scheme_name,head_dim", scheme_head_dims(SCHEMES))
 def test_mixed_prefill_and_decode_batch(gen, kernel_device, scheme_name, head_dim, group):
     scheme = SCHEMES[scheme_name]
@@ -116,6 +116,8 @@ def test_mixed_prefill_and_decode_batch(gen, kernel_device, scheme_name, head_di
         ("saw128", 1, 16, 128), ("saw128", 4, None, 128), ("saw128", 7, 8, 128), ("saw64-rotv", 4, 16, 128),
         ("saw32", 7, None, 128), ("saw128-rotv", 1, 8, 128), ("saw64-rotv", 4, 16, 64), ("saw32", 1, 4, 64),
         ("saw128", 7, None, 128), ("saw128-rotv", 4, 8, 128), ("saw32", 1, 16, 128), ("saw64-rotv", 4, 4, 64),
+        # GQA 16 (Llama-3.1-405B, MAX_GQA_GROUP): every row of the 16-row tile live
+        ("saw128", 16, 8, 128), ("saw64-rotv", 16, None, 64),
     ],
 )
 def test_decode_batch_with_and_without_split_workspace(gen, kernel_device, scheme_name, group, num_splits,

@@ -50,7 +50,8 @@ def assert_matches_rule(out, expected, what: str) -> None:
     torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-2, atol=2e-2, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("head_dim,group,num_splits", [(128, 4, None), (128, 7, 16), (64, 4, 4), (64, 1, None)])
+@pytest.mark.parametrize("head_dim,group,num_splits", [(128, 4, None), (128, 7, 16), (64, 4, 4), (64, 1, None),
+                                                      (128, 16, 8)])
 def test_decode_reads_the_own_block_from_the_original_keys(gen, kernel_device, head_dim, group, num_splits):
     """One pass and split-KV (at 16 splits some are empty), the store kernel's pages."""
     num_kv = 2 if group < 7 else 1
