@@ -168,3 +168,14 @@ def test_launch_methods_replace_fields_of_the_decode_launch(bk, monkeypatch):
                          ("s4kv_x=int4_saw:max_registers=many", "neither true, false, none nor an integer")):
         with pytest.raises(ValueError, match=message):
             bk.parse_launch_method(bad)
+
+
+def test_sm_clock_is_read_when_nvml_answers_and_left_out_when_not(monkeypatch):
+    monkeypatch.setattr(bk.torch.cuda, "clock_rate", lambda: 1755.0)
+    assert bk.sm_clock_mhz() == 1755
+
+    def no_nvml():
+        raise ModuleNotFoundError("pynvml does not seem to be installed")
+
+    monkeypatch.setattr(bk.torch.cuda, "clock_rate", no_nvml)
+    assert bk.sm_clock_mhz() is None

@@ -104,6 +104,7 @@ class Timing:
     rel_err_vs_fa3: float | None = None
     error: str | None = None
     shape: str = "qwen2.5-7b"
+    sm_mhz: int | None = None  # sm_clock_mhz() right after the timing
 
     @property
     def gbps(self) -> float | None:
@@ -160,6 +161,16 @@ def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
         fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def sm_clock_mhz() -> int | None:
+    """The SM clock over NVML's last sample period, read right after a timing (None without NVML): a memory-bound
+    loop timed after others at long contexts measured up to 1.19x slower than the same launch timed first, so the
+    rows say at which clock each ran."""
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # pynvml missing or NVML unavailable: the timing stands without it
+        return None
 
 
 def copy_bandwidth_gbps() -> float:
@@ -403,6 +414,7 @@ def bench_decode(batch: int, context: int, generator: torch.Generator, kv_pool: 
         out = torch.full_like(query, float("nan"))  # poisoned: every element must be written
         try:
             ms = median_ms(build(problem, tables[block_size], out))
+            mhz = sm_clock_mhz()
             if not torch.isfinite(out).all():
                 raise RuntimeError("output has NaN/inf (unwritten or broken)")
             err = None if reference is None else float((out.float() - reference).norm() / reference.norm())
@@ -410,7 +422,7 @@ def bench_decode(batch: int, context: int, generator: torch.Generator, kv_pool: 
                 reference = out.float()
             if err is not None and err > SANITY_MAX_REL_ERR:
                 raise RuntimeError(f"output differs from FA3's by {err:.3f} (relative): kernel broken?")
-            timings.append(Timing(method, batch, context, ms, nbytes, err, shape=shape))
+            timings.append(Timing(method, batch, context, ms, nbytes, err, shape=shape, sm_mhz=mhz))
         except Exception as exc:  # one broken method must not hide the others' numbers
             traceback.print_exc()
             timings.append(Timing(method, batch, context, None, nbytes, error=f"{type(exc).__name__}: {exc}",

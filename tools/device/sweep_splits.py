@@ -297,11 +297,12 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
         out = torch.full_like(query, float("nan"))
         try:
             us = bk.median_ms(bk.build_fa3(problem, tables[bk.VLLM_BLOCK_SIZE], out, fp8=fp8)) * 1e3
+            mhz = bk.sm_clock_mhz()
             if not torch.isfinite(out).all():
                 raise RuntimeError("output has NaN/inf")
             if reference is None:
                 reference = out.float()
-            rows.append(dict(base, method=method, splits=None, us=us,
+            rows.append(dict(base, method=method, splits=None, us=us, sm_mhz=mhz,
                              gbps=bk.decode_bytes(batch, context, "fp8" if fp8 else "bf16", num_q_heads,
                                                   num_kv_heads) / us / 1e3))
         except Exception as exc:
@@ -324,6 +325,7 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
             try:
                 us = bk.median_ms(bk.s4kv_decode_call(scheme, problem, cache, tables[bk.S4KV_BLOCK_SIZE], out,
                                                       workspace), rep_ms=60) * 1e3
+                mhz = bk.sm_clock_mhz()
                 if not torch.isfinite(out).all():
                     raise RuntimeError("output has NaN/inf (unwritten or broken)")
                 err = (float((out.float() - reference).norm() / reference.norm()) if reference is not None
@@ -335,7 +337,7 @@ def sweep_case(shape, batch, context, kv_pool, generator, num_sms, workspace_cls
                 diff = float((out.float() - first).norm() / first.norm())
                 if diff > SPLIT_MAX_REL_DIFF:
                     raise RuntimeError(f"output differs from the first candidate's by {diff:.2e} (relative)")
-                rows.append(dict(row, us=us, gbps=nbytes / us / 1e3, rel_err_vs_fa3=err))
+                rows.append(dict(row, us=us, gbps=nbytes / us / 1e3, rel_err_vs_fa3=err, sm_mhz=mhz))
             except Exception as exc:
                 traceback.print_exc()
                 rows.append(dict(row, us=None, error=f"{type(exc).__name__}: {exc}"))
