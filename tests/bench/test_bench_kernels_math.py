@@ -170,7 +170,7 @@ def test_launch_methods_replace_fields_of_the_decode_launch(bk, monkeypatch):
             bk.parse_launch_method(bad)
 
 
-def test_sm_clock_is_read_when_nvml_answers_and_left_out_when_not(monkeypatch):
+def test_sm_clock_is_read_when_nvml_answers_and_left_out_when_not(bk, monkeypatch):
     monkeypatch.setattr(bk.torch.cuda, "clock_rate", lambda: 1755.0)
     assert bk.sm_clock_mhz() == 1755
 
