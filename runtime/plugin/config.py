@@ -110,14 +110,14 @@ class ModelFacts:
         )
         architectures = tuple(_field(cfg, "architectures", list, name, items=str) or ())
         model_type = _field(cfg, "model_type", str, name) or ""
+        num_attention_heads = _field(text, "num_attention_heads", int, where) or 0
         return cls(
             name=name,
             architectures=architectures,
             model_type=model_type,
             head_dim=_head_dim(text, architectures, where),
-            num_attention_heads=_field(text, "num_attention_heads", int, where) or 0,
-            num_kv_heads=(_field(text, "num_key_value_heads", int, where)
-                          or _field(text, "num_attention_heads", int, where) or 0),
+            num_attention_heads=num_attention_heads,
+            num_kv_heads=_field(text, "num_key_value_heads", int, where) or num_attention_heads,
             vocab_size=_field(text, "vocab_size", int, where) or 0,
             rope_theta=float(_field(text, "rope_theta", float, where) or _field(rope, "rope_theta", float, where) or 0),
             rope_type=str(rope.get("rope_type") or rope.get("type") or ""),

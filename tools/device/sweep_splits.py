@@ -13,8 +13,8 @@ FA3's (bench_kernels' sanity bound); times are medians of CUDA-graph replays.
 The plan chosen per scheme for a batch size (kernels.attention.DecodePlan: split count and the fewest tiles a split
 takes) is the candidate with the smallest worst-case slowdown against the fastest split count over the
 contexts and shapes measured at its KV-head programs (batch x KV heads), each time taken with a layer's fixed rest
-(LAYER_REST_US): the rule must depend on the batch only (CUDA
-graphs are captured per batch size), so one plan serves every context. Each case also times the committed plan.
+(LAYER_REST_US): the rule must depend on the batch only (CUDA graphs are captured per batch size), so one plan
+serves every context. Each case also times the committed plan.
 Printed after a sweep, or from a saved one with ``--choose``; ``--apply`` writes it into kernels/attention.py's
 DECODE_SPLITS.
 
@@ -56,8 +56,8 @@ MIN_TILES_MARGIN = 1.03
 # A slowdown is the decode step's, not the attention's alone: each layer's attention adds to a fixed rest, at least
 # reading the layer's weights once. 30 us is a 3B model's (Qwen2.5-3B: 77M bf16 parameters a layer at 4.8 TB/s), a
 # third of the 7-8B shapes swept. So 4 us lost at 1k weighs less than 40 us lost at 32k, where the plain ratio weighed
-# them alike (the 2026-12-05 sweep: one split at 256 KV-head programs, 1.13x slower at 16k-32k to be 4 us faster at
-# 1k); 30-90 us pick the same table from that sweep.
+# them alike (it picked one split at 256 KV-head programs, measured 1.13x slower at 16k-32k to be 4 us faster at 1k);
+# any rest from 30 to 90 us picks the committed table.
 LAYER_REST_US = 30.0
 MIN_SPLIT_TILES_CANDIDATES = tuple(1 << i for i in range(9))
 
