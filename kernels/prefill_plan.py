@@ -8,7 +8,7 @@ an entry per segment reads the blocks before b per channel and block b itself fr
 both: its per-channel page for the later segments of its sequence, its own page of original keys for segment b. So
 a sequence's pages are its blocks' pages, then an own page for each block its chunk touches except the last (that
 block is no later segment's earlier block: its own keys go in its page), ``cu_pages[i] + cdiv(seq_len, 128) + (b -
-first block)``; gather_own_keys writes them.
+first block)``; dense.gather_dense_kv writes them.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ SCHEMES = ("int4_saw", "int4_kivi")
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 KERNELS = {"attention": ("_paged_attention_kernel", "_merge_splits_kernel"),
            "store": ("_store_per_token_kernel", "_kivi_close_kernel", "_kivi_stage_kernel"),
-           "dense": ("_gather_dense_kernel", "_gather_own_keys_kernel")}
+           "dense": ("_gather_dense_kernel",)}
 
 
 class NoLaunch:
@@ -169,12 +169,10 @@ def measure(decodes: int, context: int, prompt: int, calls: int) -> dict[str, di
                 **({**own, "sequence_slots": m.sequence_slots[:n]} if own else {})),
             "gather_dense_kv": lambda: dense.gather_dense_kv(
                 layer.cache, m.block_table[n:], m.seq_lens[n:], p.cu_pages, p.max_seq_len, layer.scheme, p.dense_k,
-                p.dense_v, HEAD_DIM),
+                p.dense_v, HEAD_DIM, **({**own, "sequence_slots": m.sequence_slots[n:],
+                                         "query_start_loc": m.query_start_loc[n:]} if own else {})),
         }
         if layer.scheme.is_kivi:
-            wrappers["gather_own_keys"] = lambda: dense.gather_own_keys(
-                layer.key[n:], layer.pool, m.sequence_slots[n:], m.seq_lens[n:], m.query_start_loc[n:], p.cu_pages,
-                p.max_query_len, p.dense_k, p.dense_v)
             wrappers["stage_open_keys"] = lambda: store.stage_open_keys(layer.key, m.slot_mapping, layer.pool,
                                                                         m.staging_slots)
         for label, call in wrappers.items():

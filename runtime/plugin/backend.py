@@ -413,17 +413,16 @@ def flash_prefill(query, kv_cache, block_table, seq_lens, query_start_loc, p: Pr
                   sequence_slots=None) -> None:
     """FlashAttention of the prefill queries ``query`` (the prefill part of the batch, [T, Hq, D]) over their
     sequences' K/V dequantized into dense pages (kernels/prefill_plan.py), into ``out``, in one causal pass; for
-    int4_kivi the own blocks' original keys (``new_keys`` rows at ``query_start_loc``, the pool at
-    ``sequence_slots``) are written into their own pages first."""
+    int4_kivi the blocks' original keys (``new_keys`` rows at ``query_start_loc``, the pool at ``sequence_slots``)
+    go into their own pages in the same gather."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 
-    from s4kv.kernels.dense import gather_dense_kv, gather_own_keys
+    from s4kv.kernels.dense import gather_dense_kv
 
+    own = (dict(new_keys=new_keys, staged_keys=staged_keys, sequence_slots=sequence_slots,
+                query_start_loc=query_start_loc) if scheme.is_kivi else {})
     gather_dense_kv(kv_cache, block_table, seq_lens, p.cu_pages, p.max_seq_len, scheme, p.dense_k, p.dense_v,
-                    head_dim)
-    if scheme.is_kivi:
-        gather_own_keys(new_keys, staged_keys, sequence_slots, seq_lens, query_start_loc, p.cu_pages,
-                        p.max_query_len, p.dense_k, p.dense_v)
+                    head_dim, **own)
     f = p.flash
     flash_attn_varlen_func(
         q=query, k=p.dense_k, v=p.dense_v, out=out, cu_seqlens_q=f.cu_seqlens_q, max_seqlen_q=f.max_seqlen_q,

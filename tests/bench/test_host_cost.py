@@ -22,8 +22,7 @@ def test_host_cost_times_both_schemes_layers_and_wrappers(tmp_path):
             "paged_attention (the decodes)", "gather_dense_kv")
     for label in both:
         assert set(rows[label]) == {"int4_saw", "int4_kivi"}, label
-    for label in ("gather_own_keys", "stage_open_keys"):
-        assert set(rows[label]) == {"int4_kivi"}, label
+    assert set(rows["stage_open_keys"]) == {"int4_kivi"}
     assert all(us > 0 for per_scheme in rows.values() for us in per_scheme.values())
     # a mixed layer runs the decode layer's calls and the prefill's on top
     for scheme in ("int4_saw", "int4_kivi"):

@@ -32,6 +32,7 @@ from s4kv.kernels import reference as ref
 from s4kv.kernels.attention import (CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, SUBNORMAL_HEAD_DIMS, SplitWorkspace,
                                     paged_attention)
 from s4kv.kernels.dense import gather_dense_kv
+from s4kv.kernels.prefill_plan import plan_prefill_pass
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.kernels.store import stage_open_keys, store_kv
 
@@ -191,7 +192,7 @@ def check_attention(error_table, batch, cache, scheme, launch, row_start: str, m
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_dense_prefill_gather_at_real_sizes(request, dtype_name, scheme_name, shape):
     """Prefill chunks over 2k-6k cached prefixes, stored: every token's K/V in the dense pages as the reference reads
-    it from the cache (full int4_kivi blocks per channel)."""
+    it from the cache (int4_kivi: blocks before the last per channel, the last one's original keys)."""
     scheme, dtype = SCHEMES[scheme_name], DTYPES[dtype_name]
     num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
     gen = gpu_gen(request)
@@ -200,18 +201,22 @@ def test_dense_prefill_gather_at_real_sizes(request, dtype_name, scheme_name, sh
                              head_dim=head_dim)
     cache = cache_with_prefix(batch, scheme, gen, "cuda")
     store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme, **batch.step_staging(scheme))
-    pages = -(-batch.seq_lens // 128)
-    cu_pages = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).int()
+    q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+    cu_pages = plan_prefill_pass(batch.seq_lens.cpu(), q_lens.cpu(), scheme.is_kivi).cu_pages.cuda()
     dense_k = torch.full((int(cu_pages[-1]), 128, num_kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
     dense_v = torch.full_like(dense_k, float("nan"))
+    own = dict(batch.pool_read(scheme), query_start_loc=batch.query_start_loc) if scheme.is_kivi else {}
     gather_dense_kv(cache, batch.block_table, batch.seq_lens, cu_pages, int(batch.seq_lens.max()), scheme, dense_k,
-                    dense_v, head_dim)
+                    dense_v, head_dim, **own)
     tol = {"bf16": 1e-2, "fp16": 2e-3}[dtype_name]  # one rounding of the dequantized value to the dense dtype
     for i in range(len(specs)):
         n = int(batch.seq_lens[i])
         k, v = ref.dequantize_sequence(cache, batch.block_table[i], n, scheme, head_dim)
+        if scheme.is_kivi:  # the last block holds its original keys
+            last = (n - 1) // 128 * 128
+            k[last:] = batch.seq_keys[i][last:n].float()
         for name, dense, want in (("K", dense_k, k), ("V", dense_v, v)):
-            rows = dense[int(cu_pages[i]) : int(cu_pages[i + 1])].flatten(0, 1)[:n]
+            rows = dense[int(cu_pages[i]) : int(cu_pages[i]) - (-n // 128)].flatten(0, 1)[:n]
             torch.testing.assert_close(rows.float(), want, rtol=tol, atol=tol, msg=lambda m: f"seq {i} {name}: {m}")
 
 
@@ -418,15 +423,16 @@ def test_kernels_address_pages_past_4_gib(request, scheme_name):
     wrong = [s for s in range(24) if not torch.equal(outs[0][s], outs[1][s])]
     assert not wrong, "split-KV decode differs for " + "; ".join(page_offsets(s) for s in wrong[:6])
 
-    pages = -(-batch.seq_lens // 128)
-    cu_pages = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).int()
+    q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+    cu_pages = plan_prefill_pass(batch.seq_lens.cpu(), q_lens.cpu(), scheme.is_kivi).cu_pages.cuda()
     dense = []
-    for cache, table in ((small, batch.block_table), (big, big_table)):
+    for cache, table, pool_of in ((small, batch.block_table, staging), (big, big_table, big_staging)):
         dense_k = torch.full((int(cu_pages[-1]), 128, NUM_KV_HEADS, 128), float("nan"), dtype=torch.bfloat16,
                              device="cuda")
         dense_v = torch.full_like(dense_k, float("nan"))
+        own = dict(own_block(pool_of), query_start_loc=batch.query_start_loc) if scheme.is_kivi else {}
         gather_dense_kv(cache, table, batch.seq_lens, cu_pages, int(batch.seq_lens.max()), scheme, dense_k, dense_v,
-                        128)
+                        128, **own)
         dense.append((dense_k, dense_v))
     assert torch.equal(dense[0][0], dense[1][0]) and torch.equal(dense[0][1], dense[1][1]), "dense gather differs"
 

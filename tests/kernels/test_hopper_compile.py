@@ -22,15 +22,14 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     # per scheme (kivi, saw, saw with 32-blocks and rotated values) x query dtype (bf16, fp16), at head_dim 128:
     # attention 4 code paths x (split decode, plain decode, prefill), merge 4 x 1, store 1 (K and V), dense gather
     # 1; at head_dim 64 the default code path only: attention 3, merge 1, store 1, dense 1; and per head_dim and
-    # dtype, KIVI's store with its staging pool also closes over every row and stages (1 + 1), a second store closes
-    # over listed rows (store 1, close 1), and its own-key gather (1); per scheme, head_dim and dtype the split
+    # dtype, KIVI's store with its staging pool also closes over every row and stages (1 + 1) and a second store
+    # closes over listed rows (store 1, close 1); per scheme, head_dim and dtype the split
     # decode with a dependent merge, every tile masked and joint row sums (attention and merge, 12 each), and the
     # prefill with unmasked full tiles (attention 12); per int4_saw scheme, head_dim and dtype the split decode with
     # the query rows as the MMA's N (attention and merge, 8 each)
     assert launches == {"_paged_attention_kernel": 72 + 18 + 12 + 12 + 8, "_merge_splits_kernel": 24 + 6 + 12 + 8,
                         "_store_per_token_kernel": 12 + 4, "_kivi_close_kernel": 4 + 4,
-                        "_kivi_stage_kernel": 4, "_gather_dense_kernel": 6 + 6,
-                        "_gather_own_keys_kernel": 4}, launches
+                        "_kivi_stage_kernel": 4, "_gather_dense_kernel": 6 + 6}, launches
     # the dependent merges and the splits that let them launch early
     dependent = Counter(line.split(":")[0] for line in result.stdout.splitlines()
                         if "DEPENDENT=True" in line or "LAUNCH_MERGE=True" in line)

@@ -14,7 +14,8 @@ import torch
 from kv_batches import relative_error
 from own_block_oracle import B, KIVI, batch_rule_attention, stored_step
 
-from s4kv.kernels.dense import gather_dense_kv, gather_own_keys
+from s4kv.kernels import reference as ref
+from s4kv.kernels.dense import gather_dense_kv
 from s4kv.kernels.prefill_plan import FlashPass, plan_prefill_pass
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
@@ -50,23 +51,22 @@ def emulated_flash(q, dense_k, dense_v, fa_pass: FlashPass, softmax_scale):
     return out
 
 
-def gathered_pages(batch, cache, pool, scheme, slots=None, after_dense=None):
-    """(plan, dense_k, dense_v): the pages the backend hands FlashAttention, NaN-poisoned before the gathers, with
-    SPARE_PAGES more at the end; ``after_dense(dense_k, dense_v)`` sees them between the two gathers."""
+def gathered_pages(batch, cache, pool, scheme, slots=None):
+    """(plan, dense_k, dense_v): the pages the backend hands FlashAttention, NaN-poisoned before the gather, with
+    SPARE_PAGES more at the end."""
     q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
     plan = plan_prefill_pass(batch.seq_lens.cpu(), q_lens.cpu(), scheme.is_kivi)
     device = cache.device
     shape = (plan.num_pages + SPARE_PAGES, B, batch.num_kv_heads, batch.head_dim)
     dense_k = torch.full(shape, float("nan"), dtype=torch.float16, device=device)
     dense_v = torch.full_like(dense_k, float("nan"))
-    cu_pages = plan.cu_pages.to(device)
-    gather_dense_kv(cache, batch.block_table, batch.seq_lens, cu_pages, int(batch.seq_lens.max()), scheme, dense_k,
-                    dense_v, batch.head_dim)
-    if after_dense is not None:
-        after_dense(dense_k, dense_v)
+    own = {}
     if scheme.is_kivi:
-        gather_own_keys(batch.key, pool.staged_keys, pool.sequence_slots if slots is None else slots,
-                        batch.seq_lens, batch.query_start_loc, cu_pages, batch.max_query_len, dense_k, dense_v)
+        own = dict(new_keys=batch.key, staged_keys=pool.staged_keys,
+                   sequence_slots=pool.sequence_slots if slots is None else slots,
+                   query_start_loc=batch.query_start_loc)
+    gather_dense_kv(cache, batch.block_table, batch.seq_lens, plan.cu_pages.to(device),
+                    int(batch.seq_lens.max()), scheme, dense_k, dense_v, batch.head_dim, **own)
     assert torch.isnan(dense_k[plan.num_pages :]).all() and torch.isnan(dense_v[plan.num_pages :]).all(), \
         "wrote past the last page"
     return plan, dense_k, dense_v
@@ -140,25 +140,29 @@ def test_saw_prefill_reads_every_token_from_the_cache(gen, kernel_device):
 
 
 def test_own_pages_hold_the_original_keys_and_the_blocks_values(gen, kernel_device):
-    """After gather_own_keys each block a chunk touches has an own page of its original keys (pool rows for the
-    block it starts in, new_keys after): the last block in its page, an earlier one in a page of its own, with the
-    block's values copied there; every other page is as gather_dense_kv left it (per channel: what later segments
-    read). Without a slot exactly the pool rows it needed are NaN."""
+    """After the gather each block a chunk touches has an own page of its original keys (pool rows for the block it
+    starts in, new_keys after): the last block in its page, an earlier one in a page of its own, with the block's
+    values beside them; every block before the last is in its page per channel (what later segments read), as the
+    reference dequantizes it, and every value as the reference does. Without a slot exactly the pool rows it needed
+    are NaN."""
     batch, cache, pool = stored_step(gen, PREFILLS, 64, kernel_device)
     missing = pool.sequence_slots.clone()
     missing[0] = -1
-    dense = {}
-    plan, dense_k, dense_v = gathered_pages(batch, cache, pool, KIVI, slots=missing,
-                                            after_dense=lambda k, v: dense.update(k=k.clone(), v=v.clone()))
+    plan, dense_k, dense_v = gathered_pages(batch, cache, pool, KIVI, slots=missing)
     cu = plan.cu_pages.tolist()
-    own_pages = set()
     for i, ((context, q_len), keys) in enumerate(zip(PREFILLS, batch.seq_keys)):
         n = context + q_len
         first, last = context // B, (n - 1) // B
         assert cu[i + 1] - cu[i] == last + 1 + last - first
+        k_hat, v_hat = ref.dequantize_sequence(cache, batch.block_table[i], n, KIVI, 64)
+        pages = dense_v[cu[i] : cu[i] + last + 1].flatten(0, 1)
+        torch.testing.assert_close(pages[:n].float(), v_hat, rtol=2e-3, atol=2e-3, msg=lambda m: f"{i} values: {m}")
+        assert (pages[n:] == 0).all() and (dense_k[cu[i] + last][n - last * B :] == 0).all(), f"{i}: rows past the end"
+        closed = dense_k[cu[i] : cu[i] + last].flatten(0, 1)
+        torch.testing.assert_close(closed.float(), k_hat[: last * B], rtol=2e-3, atol=2e-3,
+                                   msg=lambda m: f"sequence {i}, blocks before the last per channel: {m}")
         for b in range(first, last + 1):
             own = cu[i] + b if b == last else cu[i] + last + 1 + b - first
-            own_pages.add(own)
             rows = dense_k[own][: min(n, (b + 1) * B) - b * B]
             originals = keys[b * B : min(n, (b + 1) * B)]
             staged = max(0, context - b * B)  # the block's rows before the chunk: from the pool
@@ -168,8 +172,4 @@ def test_own_pages_hold_the_original_keys_and_the_blocks_values(gen, kernel_devi
             else:
                 assert torch.equal(rows, originals), f"sequence {i} block {b}: own keys"
             if b != last:
-                assert torch.equal(dense_v[own], dense["v"][cu[i] + b]), f"sequence {i} block {b}: own values"
-    for page in sorted(set(range(plan.num_pages)) - own_pages):
-        torch.testing.assert_close(dense_k[page], dense["k"][page], rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(dense_v[page], dense["v"][page], rtol=0, atol=0, equal_nan=True)
-    assert not torch.isnan(dense_k[sorted(set(range(plan.num_pages)) - own_pages)]).any()
+                assert torch.equal(dense_v[own], dense_v[cu[i] + b]), f"sequence {i} block {b}: own values"

@@ -4,7 +4,7 @@ The Triton interpreter that CI runs the kernels under executes Python, so it can
 compiler rejects (a kernel that runs in the interpreter but does not compile: an early return of one dtype inside
 a constexpr `if` beside another did exactly that). Triton compiles for sm_90 on any machine (ptxas ships in the
 wheel), so this module swaps in a driver that names a Hopper target and makes every launch compile-only, then calls
-the real wrappers (``paged_attention``, ``store_kv``, ``gather_dense_kv``, ``gather_own_keys``) on small CPU
+the real wrappers (``paged_attention``, ``store_kv``, ``gather_dense_kv``) on small CPU
 tensors in every configuration the backend uses. The kernels are specialized exactly as on the GPU (argument
 types, 16-byte alignment of pointers and strides, constexprs, warps and stages); nothing runs.
 
@@ -89,10 +89,10 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
     """Every launch the backend makes, once per head_dim, scheme and query dtype (compile_only records them): at
     head_dim 128 with every attention code path (attention.CODE_PATHS, which the benchmark and tuning tools sweep),
     at head_dim 64 the backend's own launches; the launch options (int4_saw's group_as_n among them); int4_kivi's
-    store and attention with its staging pool (kernels/staging.py), its close over listed rows, and its own-key
-    gather."""
+    store and attention with its staging pool (kernels/staging.py), its close over listed rows, and its gather of
+    the original keys."""
     from s4kv.kernels import attention
-    from s4kv.kernels.dense import gather_dense_kv, gather_own_keys
+    from s4kv.kernels.dense import gather_dense_kv
     from s4kv.kernels.layout import KIVI_BLOCK_SIZE, cache_shape
     from s4kv.kernels.scheme import Int4Scheme
     from s4kv.kernels.store import store_kv
@@ -158,10 +158,9 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
         dense_k = torch.empty(6, block_size, num_kv_heads, head_dim, dtype=dtype)
         dense_v = torch.empty_like(dense_k)
         cu_pages = torch.tensor([0, 3, 4], dtype=torch.int32)
-        gather_dense_kv(cache, block_table, seq_lens, cu_pages, 300, scheme, dense_k, dense_v, head_dim)
-        if scheme.is_kivi:
-            gather_own_keys(own_block["new_keys"], pool, own_block["sequence_slots"], seq_lens,
-                            torch.tensor([0, 3, 20], dtype=torch.int32), cu_pages, 17, dense_k, dense_v)
+        own = (dict(own_block, query_start_loc=torch.tensor([0, 3, 20], dtype=torch.int32)) if scheme.is_kivi
+               else {})
+        gather_dense_kv(cache, block_table, seq_lens, cu_pages, 300, scheme, dense_k, dense_v, head_dim, **own)
 
 
 def main() -> int:

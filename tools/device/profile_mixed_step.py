@@ -47,7 +47,6 @@ HOST_TIMED = (
     ("s4kv.kernels.attention", "paged_attention"),
     ("s4kv.runtime.plugin.backend", "flash_prefill"),
     ("s4kv.kernels.dense", "gather_dense_kv"),
-    ("s4kv.kernels.dense", "gather_own_keys"),
     ("vllm.v1.attention.backends.fa_utils", "flash_attn_varlen_func"),
     ("s4kv.kernels.store", "store_kv"),
     ("s4kv.kernels.store", "stage_open_keys"),
