@@ -150,6 +150,7 @@ def measure(decodes: int, context: int, prompt: int, calls: int) -> dict[str, di
                 impl.forward(layer, layer.query, layer.key, layer.value, layer.cache, metadata, layer.output)
             return run
 
+        # int4_kivi's KV update reads the step's metadata from vLLM's forward context, which only an engine sets
         current = {}
         backend.layer_metadata = lambda _layer: current["metadata"]
         timed = {}
