@@ -96,26 +96,23 @@ def _gather_dense_kernel(
             context = seq_len - (tl.load(query_start_loc_ptr + seq + 1) - q_start)
             first = context // BLOCK_SIZE
             last = (seq_len - 1) // BLOCK_SIZE
-            if logical_block == last:  # the last block's page is its queries' own: the originals
-                o_lo, o_hi = _original_keys(new_keys_ptr, staged_keys_ptr, sequence_slots_ptr, seq, head, pos,
-                                            offset, context, seq_len, q_start, new_keys_stride_t, new_keys_stride_h,
-                                            pool_stride_slot, pool_stride_head, pool_stride_token, HALF)
-                tl.store(dense_k_ptr + dense, o_lo.to(out_dtype))
-                tl.store(dense_k_ptr + dense + HALF, o_hi.to(out_dtype))
-            else:  # a full block, closed: per channel
+            if logical_block != last:  # a full block, closed: per channel, what later segments read
                 k_bytes = tl.load(page_ptr + offset[:, None] * HALF + ch[None, :])
                 k_lo, k_hi = _keys_per_channel((k_bytes & 15).to(tl.float32), (k_bytes >> 4).to(tl.float32),
                                                k_params, HALF)
                 tl.store(dense_k_ptr + dense, k_lo.to(out_dtype))
                 tl.store(dense_k_ptr + dense + HALF, k_hi.to(out_dtype))
-                if logical_block >= first:  # touched by the chunk: an own page after the sequence's pages
-                    own = (seq_page + last + 1 + logical_block - first).to(tl.int64) * dense_stride_page + rows
-                    o_lo, o_hi = _original_keys(new_keys_ptr, staged_keys_ptr, sequence_slots_ptr, seq, head, pos,
-                                                offset, context, seq_len, q_start, new_keys_stride_t,
-                                                new_keys_stride_h, pool_stride_slot, pool_stride_head,
-                                                pool_stride_token, HALF)
-                    tl.store(dense_k_ptr + own, o_lo.to(out_dtype))
-                    tl.store(dense_k_ptr + own + HALF, o_hi.to(out_dtype))
+            if logical_block >= first:  # touched by the chunk: its original keys in its own page
+                # the last block's own page is its page; an earlier block's follows the sequence's pages
+                own_page = tl.where(logical_block == last, seq_page + logical_block,
+                                    seq_page + last + 1 + logical_block - first)
+                own = own_page.to(tl.int64) * dense_stride_page + rows
+                o_lo, o_hi = _original_keys(new_keys_ptr, staged_keys_ptr, sequence_slots_ptr, seq, head, pos,
+                                            offset, context, seq_len, q_start, new_keys_stride_t, new_keys_stride_h,
+                                            pool_stride_slot, pool_stride_head, pool_stride_token, HALF)
+                tl.store(dense_k_ptr + own, o_lo.to(out_dtype))
+                tl.store(dense_k_ptr + own + HALF, o_hi.to(out_dtype))
+                if logical_block != last:
                     tl.store(dense_v_ptr + own, v_lo)
                     tl.store(dense_v_ptr + own + HALF, v_hi)
         else:
