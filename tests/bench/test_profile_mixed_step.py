@@ -41,9 +41,18 @@ def test_configs_name_a_format_and_optionally_the_v1_runner():
 
 
 def test_table_lists_skipped_and_failed_configs():
-    spec = {"decodes": 2, "context": 64, "prompt_len": 64, "repeats": 2}
+    spec = {"decodes": 2, "context": 64, "prompt_len": 64, "prompts": 3, "repeats": 2}
     text = pms.table([{"config": "bf16_fa3", "status": "skipped"}, {"config": "s4kv_saw", "status": "failed"}], spec)
     assert "| bf16_fa3 | skipped |" in text and "| s4kv_saw | failed |" in text
+    assert text.startswith("2 decodes of 64-token prompts; a mixed step adds the prefill of 3 64-token prompts.")
+    del spec["prompts"]  # a run saved before --prompts prefilled one
+    assert "adds the prefill of one 64-token prompt." in pms.table([], spec)
+
+
+def test_prompts_must_be_at_least_one(capsys):
+    with pytest.raises(SystemExit):
+        pms.main(["--prompts", "0"])
+    assert "--prompts must be at least 1" in capsys.readouterr().err
 
 
 def ok_result(config: str, wall_ms: float, busy_ms: float, forward_ms: float, update_ms: float) -> dict:
@@ -78,8 +87,9 @@ def test_one_format_in_the_cpu_engine(tmp_path):
     model = Path(bundled_model_dir(QWEN2))
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     status = pms.main(["--out", str(tmp_path), "--model", str(model), "--load-format", "auto", "--configs",
-                       "s4kv_saw", "--decodes", "2", "--context", "64", "--prompt-len", "160", "--repeats", "2",
-                       "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--timeout-s", "600"])
+                       "s4kv_saw", "--decodes", "2", "--context", "64", "--prompt-len", "160", "--prompts", "2",
+                       "--repeats", "2", "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
+                       "--timeout-s", "600"])
     assert status == 0
     (result,) = json.loads((tmp_path / "mixed_step.json").read_text())["results"]
     assert result["status"] == "ok" and len(result["mixed_steps_ms"]) == 2 and len(result["decode_steps_ms"]) == 6
@@ -91,4 +101,5 @@ def test_one_format_in_the_cpu_engine(tmp_path):
         seconds, calls = result["host_ms"][kind]["S4KVAttentionImpl.forward"]
         assert seconds > 0 and calls == layers
     assert "| s4kv_saw |" in (tmp_path / "mixed_step.md").read_text()
+    assert "the prefill of 2 160-token prompts" in (tmp_path / "mixed_step.md").read_text()
     assert 'data-group="GPU busy" data-format="s4kv_saw"' in (tmp_path / "mixed_step.svg").read_text()

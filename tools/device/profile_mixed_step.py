@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
-"""A mixed step's time per KV format: decodes alone against the same decodes beside one prompt's prefill, and where
-the GPU time of each goes.
+"""A mixed step's time per KV format: decodes alone against the same decodes beside prompts' prefill, and where the
+GPU time of each goes.
 
     python -m tools.device.profile_mixed_step --out DIR        # H200, Llama-3.1-8B shape: 80-135 s per format
 
 One engine per format, each in its own process (vLLM in-process, synchronous scheduling, so one engine step is one
 model step and its wall time is that step's time). ``--decodes`` requests of ``--context``-token prompts decode;
-every ``DECODES_BETWEEN`` steps one ``--prompt-len``-token prompt arrives and is prefilled in one step beside them
-(max_tokens 1: it leaves after that step, so the batch stays the same decodes). Reported per format: median wall
-time of the decode steps and of the mixed steps, and, for one profiled step of each kind (torch profiler), the GPU
-time per kernel, the GPU's busy time (the union of its kernels' intervals) and the step's wall time, so what a
-format adds to a mixed step shows kernel by kernel and host time shows as the gap between wall and busy; and,
-unprofiled, the host time per step inside each function of the attention path (HOST_TIMED).
+every ``DECODES_BETWEEN`` steps ``--prompts`` prompts (default one) of ``--prompt-len`` tokens arrive and are
+prefilled in one step beside them (max_tokens 1: they leave after that step, so the batch stays the same decodes).
+Reported per format: median wall time of the decode steps and of the mixed steps, and, for one profiled step of
+each kind (torch profiler), the GPU time per kernel, the GPU's busy time (the union of its kernels' intervals) and
+the step's wall time, so what a format adds to a mixed step shows kernel by kernel and host time shows as the gap
+between wall and busy; and, unprofiled, the host time per step inside each function of the attention path
+(HOST_TIMED).
 
 A format name with ``:v1`` runs on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``); int4_kivi always does
 (runtime/schemes.py), vLLM 0.26 picks V2 for the others. Writes DIR/mixed_step.json, DIR/mixed_step.md and
@@ -202,17 +203,19 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     host: dict[str, dict[str, list[float]]] = {"decode": {}, "mixed": {}}
     arrivals = iter(range(10**6))
 
-    def add_prompt() -> str:
-        request_id = f"prompt-{next(arrivals)}"
-        engine.add_request(request_id, prompt(spec["prompt_len"]), one_token)
-        return request_id
+    def add_prompts() -> set[str]:
+        request_ids = {f"prompt-{next(arrivals)}" for _ in range(spec["prompts"])}
+        for request_id in sorted(request_ids):
+            engine.add_request(request_id, prompt(spec["prompt_len"]), one_token)
+        return request_ids
 
     def mixed_step() -> float:
-        request_id = add_prompt()
+        request_ids = add_prompts()
         elapsed, outputs = timed_step(engine)
-        ids = {out.request_id for out in outputs if out.finished}
-        if request_id not in ids:  # the prompt took more than one step: not the step this tool measures
-            raise RuntimeError(f"{request_id} was not prefilled in one step (raise max_num_batched_tokens)")
+        unfinished = request_ids - {out.request_id for out in outputs if out.finished}
+        if unfinished:  # a prompt took more than one step: not the step this tool measures
+            raise RuntimeError(f"{sorted(unfinished)} not prefilled in one step (raise max_num_batched_tokens or "
+                               "lower --prompts)")
         return elapsed
 
     for _ in range(repeats):
@@ -224,7 +227,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         mixed_ms.append(mixed_step())
         host_per_step(before, timers.snapshot(), host["mixed"])
     decode_profile = profiled_step(engine)
-    add_prompt()
+    add_prompts()
     mixed_profile = profiled_step(engine)
     return {
         "startup_s": startup_s,
@@ -264,8 +267,8 @@ def engine_process(config: str, spec: dict[str, Any], timeout_s: float) -> dict[
 def table(results: list[dict[str, Any]], spec: dict[str, Any]) -> str:
     ok = [r for r in results if r["status"] == "ok"]
     lines = [
-        f"{spec['decodes']} decodes of {spec['context']}-token prompts; a mixed step adds one "
-        f"{spec['prompt_len']}-token prompt's prefill. Medians of {spec['repeats']} mixed and "
+        f"{spec['decodes']} decodes of {spec['context']}-token prompts; a mixed step adds the prefill of "
+        f"{prompts_text(spec)}. Medians of {spec['repeats']} mixed and "
         f"{spec['repeats'] * DECODES_BETWEEN} decode steps (wall, synchronous scheduling); GPU busy and kernel time "
         "from one profiled step of each kind.",
         "",
@@ -301,6 +304,11 @@ def table(results: list[dict[str, Any]], spec: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prompts_text(spec: dict[str, Any]) -> str:
+    prompts = spec.get("prompts", 1)  # runs saved before --prompts had one
+    return f"{'one' if prompts == 1 else prompts} {spec['prompt_len']}-token prompt{'s' if prompts > 1 else ''}"
+
+
 def host_in_attention_ms(result: dict[str, Any]) -> float:
     """Host ms per mixed step inside the format's attention forward and KV-cache update."""
     return sum(ms for name, (ms, _) in result["host_ms"]["mixed"].items()
@@ -322,7 +330,7 @@ def plot_svg(results: list[dict[str, Any]], spec: dict[str, Any]) -> str:
         "host in attention": {r["config"]: host_in_attention_ms(r) for r in ok},
     }
     width, height = PANEL_W + MARGIN, TOP + PANEL_H + 30 + 18 * len(configs)
-    title = (f"A step of {spec['decodes']} decodes and one {spec['prompt_len']}-token prefill, ms")
+    title = f"A step of {spec['decodes']} decodes and the prefill of {prompts_text(spec)}, ms"
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">',
              f'<rect width="{width}" height="{height}" fill="white"/>',
              f'<text x="{width / 2}" y="22" font-size="14" text-anchor="middle">{escape(title)}</text>']
@@ -353,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decodes", type=int, default=8)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--prompts", type=int, default=1, help="prompts prefilled in each mixed step")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
@@ -362,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="start no engine that would not end within this many seconds of the start (each "
                              "taken as long as the longest one before it)")
     args = parser.parse_args(argv)
+    if args.prompts < 1:
+        parser.error("--prompts must be at least 1")
     if args.one:
         print(RESULT_PREFIX + json.dumps(run_one(json.loads(args.one))), flush=True)
         sys.stdout.flush()
@@ -382,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = {
         "model": str(model_dir.resolve()), "load_format": args.load_format,
         "vocab_size": json.loads((model_dir / "config.json").read_text())["vocab_size"],
-        "decodes": args.decodes, "context": args.context, "prompt_len": args.prompt_len, "repeats": args.repeats,
+        "decodes": args.decodes, "context": args.context, "prompt_len": args.prompt_len, "prompts": args.prompts,
+        "repeats": args.repeats,
         "max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "gpu_memory_utilization": args.gpu_memory_utilization,
     }
