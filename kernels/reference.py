@@ -24,7 +24,8 @@ import torch
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout, cdiv
 from .scheme import Int4Scheme
-from .staging import check_pool_given, check_pool_read, check_staging
+from .staging import (STAGE_AFTER_CLOSE, STAGE_IN_STORE, check_pool_given, check_pool_read, check_stage,
+                      check_staging)
 
 QMAX = 15
 EPS = 2.0**-14  # smallest normal fp16: a constant vector keeps a representable, positive scale
@@ -100,15 +101,16 @@ class PageViews:
 # store
 # ---------------------------------------------------------------------------------------------------------------
 def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme, staged_keys=None, staging_slots=None,
-             stage: bool = True) -> None:
+             stage: str = STAGE_AFTER_CLOSE) -> None:
     """Quantize key/value [T, Hkv, D] into their slots; slot < 0 marks padding and is skipped.
 
     int4_kivi with ``staged_keys`` (the layer's staging pool, kernels/staging.py) and ``staging_slots`` (per token,
     the pool slot of its block): every block whose last slot this batch writes is closed per channel from its
     original keys, the earlier ones read back from the pool, and the keys of blocks still open afterwards are
-    copied into it (``stage``; the engine passes False and calls stage_open_keys after attention, which still reads
-    the earlier keys of the block a step starts in from the slot that block's successor is staged into). int4_kivi
-    requires them, int4_saw takes neither.
+    copied into it: after the closes ("after_close"), before them ("in_store": the same bytes iff
+    staging_overwrites_reads is False for the batch), or not at all ("by_caller": the engine then calls
+    stage_open_keys after attention, which still reads the earlier keys of the block a step starts in from the
+    slot that block's successor is staged into). int4_kivi requires the pool, int4_saw takes neither.
     """
     head_dim = key.shape[-1]
     pages = PageViews(kv_cache, head_dim)
@@ -116,6 +118,7 @@ def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme, staged_keys
     if scheme.is_kivi and bsz != KIVI_BLOCK_SIZE:
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {bsz}")
     check_pool_given(scheme, staged_keys, staging_slots, "staging_slots")
+    check_stage(stage)
     if scheme.is_kivi:
         check_staging(staged_keys, staging_slots, key, bsz)
     rot = scheme.rotation(head_dim, key.device)
@@ -132,9 +135,9 @@ def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme, staged_keys
         params_view[blk, :, off] = torch.stack([scale, minimum], -1)
     if not scheme.is_kivi:
         return
+    if stage == STAGE_IN_STORE:
+        stage_open_keys(key, slot_mapping, staged_keys, staging_slots)
     staging_slots = staging_slots.long()
-    # the closes read the pool before this batch's open-block keys are copied in (a sequence keeps one slot, which
-    # a chunk may both close from and refill)
     for i in closing_rows(slots, bsz).tolist():
         fresh = rows_in_batch(slots, i, bsz)
         src = torch.arange(i - bsz + 1, i + 1, device=slots.device).clamp(min=0)
@@ -145,7 +148,7 @@ def store_kv(key, value, kv_cache, slot_mapping, scheme: Int4Scheme, staged_keys
         if staged:
             originals = torch.where(fresh[:, None, None], originals, staged_keys[staging_slots[i]].transpose(0, 1))
         _write_per_channel(pages, int(slots[i]) // bsz, originals)
-    if stage:
+    if stage == STAGE_AFTER_CLOSE:
         stage_open_keys(key, slot_mapping, staged_keys, staging_slots)
 
 

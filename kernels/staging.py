@@ -4,17 +4,26 @@ A KIVI key group is one 128-token page, quantized per channel once all 128 keys 
 batches (chunked prefill, decode steps), so the keys of a page that is not full yet are kept, in the model's dtype,
 in a pool of slots beside the int4 cache: ``staged_keys[slot, kv_head, offset, :]``, one slot per sequence with an
 open page. The store (reference.store_kv, store.store_kv) closes a page from the batch's own rows plus the pool's
-rows for the offsets earlier batches wrote, then copies the keys of pages still open into their slot. The page's
-bytes are then a function of its 128 keys alone, whatever the write pattern. int4_kivi stores and reads always take
-the pool; int4_saw takes none. docs/format.md gives the design: who assigns slots, how they are released, what the pool
-costs in KV capacity.
+rows for the offsets earlier batches wrote, then copies the keys of pages still open into their slot (``stage``,
+below). The page's bytes are then a function of its 128 keys alone, whatever the write pattern. int4_kivi stores
+and reads always take the pool; int4_saw takes none. docs/format.md gives the design: who assigns slots, how they
+are released, what the pool costs in KV capacity.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .layout import KIVI_BLOCK_SIZE
+
+# When a store copies the keys of pages still open into the pool (store_kv's ``stage``). A sequence keeps one slot,
+# and a batch that starts inside a page and ends inside a later one re-keys it to the later page, whose first rows
+# then overwrite rows the batch still reads as the earlier page's originals (the close, attention's own page):
+STAGE_AFTER_CLOSE = "after_close"  # after the batch's closes: right for any batch without attention in between
+STAGE_IN_STORE = "in_store"  # in the store's own launch: for a batch where staging_overwrites_reads is False
+STAGE_BY_CALLER = "by_caller"  # not by the store: the caller calls stage_open_keys (the engine, after attention)
+STAGES = (STAGE_AFTER_CLOSE, STAGE_IN_STORE, STAGE_BY_CALLER)
 
 
 def allocate_pool(num_slots: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
@@ -28,6 +37,25 @@ def sequence_staging_slots(tokens_per_sequence, device) -> torch.Tensor:
     sequence after the other: sequence i's rows stage into pool slot i (a pool of allocate_pool(len(...), ...))."""
     counts = torch.as_tensor(tokens_per_sequence, device=device)
     return torch.arange(counts.shape[0], device=device).repeat_interleave(counts)
+
+
+def check_stage(stage: str) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
+
+
+def staging_overwrites_reads(query_start_loc, seq_lens, block_size: int = KIVI_BLOCK_SIZE) -> bool:
+    """Whether staging a batch's open pages before its closes and attention would overwrite pool rows they read.
+    Sequence ``i`` has ``q = query_start_loc[i + 1] - query_start_loc[i]`` new tokens ending at ``seq_lens[i]``
+    (host arrays). Its step reads pool rows ``[0, s)`` of its slot, the earlier keys of the page it starts in
+    (``s`` = its first position % block_size), and stages rows ``[0, e)`` of a later page it ends inside into the
+    same slot (``e`` = its end % block_size): they overlap iff ``s > 0``, ``e > 0`` and the step crosses a page
+    boundary. Decodes, prompts from position 0 and chunks that start on a page boundary never do."""
+    starts = np.asarray(query_start_loc, dtype=np.int64)
+    ends = np.asarray(seq_lens, dtype=np.int64)[: starts.shape[0] - 1]
+    first = ends - np.diff(starts)
+    crosses = (ends - 1) // block_size > first // block_size
+    return bool(np.any((first % block_size != 0) & (ends % block_size != 0) & crosses))
 
 
 def check_pool_given(scheme, staged_keys, slots, slots_name: str) -> None:

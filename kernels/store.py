@@ -3,10 +3,12 @@
 ``store_kv`` stores keys and values per token in one launch (rotation fused for int4_saw keys, optional for its
 values, and for the staged keys of an open int4_kivi block); for int4_kivi a second launch then closes every block
 whose last slot was written in this batch, per channel from the original keys: the batch's own rows and the staging
-pool's rows (staging.py, required) for the slots earlier batches wrote. A third launch copies the keys of blocks
-still open into the pool, after the close, which may read the same slot. Launches follow each other on one stream.
-Grids depend only on the number of tokens and KV heads, except a close over the closing rows the caller lists
-(``close_rows``: eager steps, whose caller knows them on the host).
+pool's rows (staging.py, required) for the slots earlier batches wrote. The keys of blocks still open go into the
+pool (``stage``, staging.py): by a third launch after the close, which may read the same slot; or inside the store's
+launch, for a batch whose staging overwrites no pool row the batch reads; or later by the caller
+(``stage_open_keys``). Launches follow each other on one stream. Grids depend only on the number of tokens and KV
+heads, except a close over the closing rows the caller lists (``close_rows``: eager steps, whose caller knows them
+on the host).
 """
 
 from __future__ import annotations
@@ -17,23 +19,25 @@ import triton.language as tl
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout, cdiv
 from .scheme import Int4Scheme
-from .staging import check_pool_given, check_staging
+from .staging import STAGE_AFTER_CLOSE, STAGE_IN_STORE, check_pool_given, check_stage, check_staging
 from .triton_common import encode, finite_rows, rotate_halves, scale_and_min
 
 TOKENS_PER_PROGRAM = 16
 
 
-# num_tokens and the slot mapping's address vary per step: no kernel variant per value (a JIT stall while serving)
-@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_ptr"])
+# num_tokens and the metadata's addresses vary per step: no kernel variant per value (a JIT stall while serving)
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_ptr", "staging_slot_ptr"])
 def _store_per_token_kernel(
-    key_ptr, value_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr,
+    key_ptr, value_ptr, slot_ptr, cache_u8_ptr, cache_f16_ptr, staged_ptr, staging_slot_ptr,
     num_tokens, key_stride_t, key_stride_h, value_stride_t, value_stride_h, stride_block, stride_head,
+    staged_stride_slot, staged_stride_head,
     K_CODES_OFFSET: tl.constexpr, K_PARAMS_OFFSET: tl.constexpr, V_CODES_OFFSET: tl.constexpr,
     V_PARAMS_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROTATE_VALUES: tl.constexpr,
-    HADAMARD_BLOCK: tl.constexpr, TOKENS: tl.constexpr, HALF: tl.constexpr,
+    HADAMARD_BLOCK: tl.constexpr, TOKENS: tl.constexpr, HALF: tl.constexpr, STAGE: tl.constexpr,
 ):
     """Program (token tile, head): the tile's keys (rotated, codes token-major) and values (rotated iff
-    ROTATE_VALUES, codes channel-major) per token into their slots."""
+    ROTATE_VALUES, codes channel-major) per token into their slots; if STAGE (int4_kivi), also the original keys
+    of the tokens whose block stays open after this batch into their staging slot (_stage_rows)."""
     head = tl.program_id(1)
     tok = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
@@ -43,12 +47,19 @@ def _store_per_token_kernel(
     offset = tl.where(live, slot % BLOCK_SIZE, 0)
     page = block * stride_block + head * stride_head
     key = key_ptr + tok[:, None].to(tl.int64) * key_stride_t + head * key_stride_h + ch[None, :]
-    packed, scale, minimum = _quantize_per_token(key, live, True, HADAMARD_BLOCK, HALF)
+    k_lo = tl.load(key, mask=live[:, None], other=0.0)
+    k_hi = tl.load(key + HALF, mask=live[:, None], other=0.0)
+    if STAGE:
+        _stage_rows(k_lo, k_hi, tok, slot, slot_ptr, staged_ptr, staging_slot_ptr, num_tokens, head,
+                    staged_stride_slot, staged_stride_head, BLOCK_SIZE, HALF)
+    packed, scale, minimum = _quantize_per_token(k_lo, k_hi, True, HADAMARD_BLOCK, HALF)
     tl.store(cache_u8_ptr + (page + K_CODES_OFFSET + offset * HALF)[:, None] + ch[None, :], packed,
              mask=live[:, None])
     _store_token_params(cache_f16_ptr, (page + K_PARAMS_OFFSET) // 2 + offset * 2, scale, minimum, live)
     value = value_ptr + tok[:, None].to(tl.int64) * value_stride_t + head * value_stride_h + ch[None, :]
-    packed, scale, minimum = _quantize_per_token(value, live, ROTATE_VALUES, HADAMARD_BLOCK, HALF)
+    v_lo = tl.load(value, mask=live[:, None], other=0.0)
+    v_hi = tl.load(value + HALF, mask=live[:, None], other=0.0)
+    packed, scale, minimum = _quantize_per_token(v_lo, v_hi, ROTATE_VALUES, HADAMARD_BLOCK, HALF)
     # V codes are channel-major (layout.py): byte j of token t at j * BLOCK_SIZE + t
     tl.store(cache_u8_ptr + (page + V_CODES_OFFSET + offset)[:, None] + ch[None, :] * BLOCK_SIZE, packed,
              mask=live[:, None])
@@ -56,11 +67,9 @@ def _store_per_token_kernel(
 
 
 @triton.jit
-def _quantize_per_token(src, live, ROTATE: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
-    """Packed codes [tokens, HALF] and fp32 (scale, min) per token of the rows at ``src`` (the first half's
-    addresses), after the block-diagonal Hadamard if ROTATE; rows not ``live`` read as zeros."""
-    x_lo = tl.load(src, mask=live[:, None], other=0.0)
-    x_hi = tl.load(src + HALF, mask=live[:, None], other=0.0)
+def _quantize_per_token(x_lo, x_hi, ROTATE: tl.constexpr, HADAMARD_BLOCK: tl.constexpr, HALF: tl.constexpr):
+    """Packed codes [tokens, HALF] and fp32 (scale, min) per token of the rows whose halves are ``x_lo``,
+    ``x_hi``, after the block-diagonal Hadamard if ROTATE."""
     if ROTATE:
         y_lo, y_hi = rotate_halves(x_lo, x_hi, HADAMARD_BLOCK, HALF)
     else:
@@ -140,11 +149,24 @@ def _kivi_stage_kernel(
     key_stride_t, key_stride_h, staged_stride_slot, staged_stride_head,
     BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, TOKENS: tl.constexpr,
 ):
-    """Copy the original keys of tokens whose block stays open after this batch into their staging slot (runs
-    after the close, which may read the same slot for the sequence's previous block)."""
+    """Program (token tile, head): the original keys of the tile's tokens whose block stays open after this batch
+    into their staging slot (_stage_rows)."""
     head = tl.program_id(1)
     tok = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    ch = tl.arange(0, HALF)
+    src = key_ptr + tok[:, None].to(tl.int64) * key_stride_t + head * key_stride_h + ch[None, :]
+    live = slot >= 0
+    _stage_rows(tl.load(src, mask=live[:, None]), tl.load(src + HALF, mask=live[:, None]), tok, slot, slot_ptr,
+                staged_ptr, staging_slot_ptr, num_tokens, head, staged_stride_slot, staged_stride_head, BLOCK_SIZE,
+                HALF)
+
+
+@triton.jit
+def _stage_rows(k_lo, k_hi, tok, slot, slot_ptr, staged_ptr, staging_slot_ptr, num_tokens, head,
+                staged_stride_slot, staged_stride_head, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr):
+    """The key halves ``k_lo``, ``k_hi`` of batch rows ``tok`` (int64 slots ``slot``, -1 for none) into the
+    staging slot of each row whose block stays open after this batch (the batch does not write its last slot)."""
     offset = slot % BLOCK_SIZE
     last = tok + (BLOCK_SIZE - 1) - offset  # the row that would write the block's last slot in this batch
     last_slot = tl.load(slot_ptr + last, mask=(slot >= 0) & (last < num_tokens), other=-1).to(tl.int64)
@@ -152,25 +174,25 @@ def _kivi_stage_kernel(
     pool_slot = tl.load(staging_slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
     stage = (slot >= 0) & (closes == 0) & (pool_slot >= 0)
     ch = tl.arange(0, HALF)
-    src = key_ptr + tok[:, None].to(tl.int64) * key_stride_t + head * key_stride_h + ch[None, :]
     dst = (staged_ptr + pool_slot[:, None] * staged_stride_slot + head * staged_stride_head
            + offset[:, None] * (2 * HALF) + ch[None, :])
-    tl.store(dst, tl.load(src, mask=stage[:, None]), mask=stage[:, None])
-    tl.store(dst + HALF, tl.load(src + HALF, mask=stage[:, None]), mask=stage[:, None])
+    tl.store(dst, k_lo, mask=stage[:, None])
+    tl.store(dst + HALF, k_hi, mask=stage[:, None])
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              scheme: Int4Scheme, staged_keys: torch.Tensor | None = None,
-             staging_slots: torch.Tensor | None = None, stage: bool = True,
+             staging_slots: torch.Tensor | None = None, stage: str = STAGE_AFTER_CLOSE,
              close_rows: torch.Tensor | None = None) -> None:
     """Quantize key/value [T, Hkv, D] (fp16/bf16, any token/head strides) into kv_cache at slot_mapping.
 
     int4_kivi's staging pool ``staged_keys`` [slots, Hkv, 128, D] (model dtype, contiguous), ``staging_slots``
     [>= T] (the pool slot of each token's block, -1 for none) and ``stage`` as in reference.store_kv: int4_kivi
-    requires them, int4_saw takes neither. int4_kivi's optional ``close_rows`` (int32 [n], on the cache's device)
-    lists every row whose slot is its block's last (position % 128 == 127), each once: the close then runs one
-    program per listed row and KV head (none for n = 0) instead of one per row, and a row left out leaves its
-    block open. Without it the grid depends on T alone (a CUDA graph's replays)."""
+    requires the pool, int4_saw takes neither. ``stage`` (staging.py) "in_store" copies the open blocks' keys
+    inside the store's launch, one launch fewer than "after_close". int4_kivi's optional ``close_rows`` (int32
+    [n], on the cache's device) lists every row whose slot is its block's last (position % 128 == 127), each once:
+    the close then runs one program per listed row and KV head (none for n = 0) instead of one per row, and a row
+    left out leaves its block open. Without it the grid depends on T alone (a CUDA graph's replays)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError(f"key/value must be [T, Hkv, head_dim] with contiguous channels, got {tuple(key.shape)} "
@@ -180,6 +202,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     if scheme.is_kivi and block_size != KIVI_BLOCK_SIZE:
         raise ValueError(f"int4_kivi needs block_size {KIVI_BLOCK_SIZE}, got {block_size}")
     check_pool_given(scheme, staged_keys, staging_slots, "staging_slots")
+    check_stage(stage)
     if scheme.is_kivi:
         check_staging(staged_keys, staging_slots, key, block_size)
         if not staged_keys.is_contiguous():
@@ -188,13 +211,16 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     if num_tokens == 0:
         return
     cache_f16 = kv_cache.view(torch.float16)
+    in_store = scheme.is_kivi and stage == STAGE_IN_STORE
     _store_per_token_kernel[(cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)](
         key, value, slot_mapping, kv_cache, cache_f16,
+        staged_keys if in_store else key, staging_slots if in_store else slot_mapping,
         num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
-        kv_cache.stride(1), K_CODES_OFFSET=layout.k_codes, K_PARAMS_OFFSET=layout.k_params,
+        kv_cache.stride(1), *(staged_keys.stride()[:2] if in_store else (0, 0)),
+        K_CODES_OFFSET=layout.k_codes, K_PARAMS_OFFSET=layout.k_params,
         V_CODES_OFFSET=layout.v_codes, V_PARAMS_OFFSET=layout.v_params, BLOCK_SIZE=block_size,
         ROTATE_VALUES=scheme.rotate_values, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
-        TOKENS=TOKENS_PER_PROGRAM, HALF=layout.half_dim,
+        TOKENS=TOKENS_PER_PROGRAM, HALF=layout.half_dim, STAGE=in_store,
     )
     if not scheme.is_kivi:
         return
@@ -211,7 +237,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
             # 12.3 us against 19.0 at 8)
             num_warps=4,
         )
-    if stage:
+    if stage == STAGE_AFTER_CLOSE:
         stage_open_keys(key, slot_mapping, staged_keys, staging_slots)
 
 

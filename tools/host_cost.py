@@ -32,10 +32,23 @@ KERNELS = {"attention": ("_paged_attention_kernel", "_merge_splits_kernel"),
 
 
 class NoLaunch:
-    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing."""
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing but count the launch."""
+
+    launches = 0
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+        return self._launch
+
+    @staticmethod
+    def _launch(*args, **kwargs) -> None:
+        NoLaunch.launches += 1
+
+
+def launches_of(call: Callable[[], Any]) -> int:
+    """Triton launches one ``call`` makes."""
+    before = NoLaunch.launches
+    call()
+    return NoLaunch.launches - before
 
 
 def host_us(call: Callable[[], Any], calls: int) -> float:
@@ -109,9 +122,11 @@ class Layer:
                 workspace=workspace, prefill=prefill,
                 staging_slots=staging[:n_tokens] if staging is not None else None,
                 sequence_slots=sequence_slots[:n_seqs] if sequence_slots is not None else None,
-                close_rows=closing if prefill and self.scheme.is_kivi else None)
+                close_rows=closing if prefill and self.scheme.is_kivi else None,
+                stage_in_store=self.scheme.is_kivi)
 
         self.decode = metadata(decodes, decodes, None)
+        # the prompt starts at position 0: the store stages its open block in its own launch (backend.py)
         self.mixed = metadata(decodes + 1, tokens, PrefillPlan(
             num_decodes=decodes, num_decode_tokens=decodes, decode_max_query_len=1, cu_pages=plan.cu_pages,
             flash=plan.flash, max_query_len=prompt, max_seq_len=prompt, dense_k=dense_k,
@@ -132,6 +147,7 @@ class Layer:
 def measure(decodes: int, context: int, prompt: int, calls: int) -> dict[str, dict[str, float]]:
     """Host us per call: {row name: {scheme: us}}."""
     from s4kv.kernels import attention, dense, store
+    from s4kv.kernels.staging import STAGE_IN_STORE
     from s4kv.runtime.plugin import backend
 
     stub_launches()
@@ -154,12 +170,12 @@ def measure(decodes: int, context: int, prompt: int, calls: int) -> dict[str, di
         current = {}
         backend.layer_metadata = lambda _layer: current["metadata"]
         timed = {}
-        for label, metadata in (("decode layer: KV update + forward", layer.decode),
-                                ("mixed layer: KV update + forward", m)):
+        for kind, metadata in (("decode", layer.decode), ("mixed", m)):
             current["metadata"] = metadata
-            timed[label] = host_us(step(metadata), calls)
+            timed[f"{kind} layer: KV update + forward"] = host_us(step(metadata), calls)
+            timed[f"{kind} layer: Triton launches"] = launches_of(step(metadata))
         current["metadata"] = m
-        stage = dict(staged_keys=layer.pool, staging_slots=m.staging_slots, stage=False,
+        stage = dict(staged_keys=layer.pool, staging_slots=m.staging_slots, stage=STAGE_IN_STORE,
                      close_rows=m.close_rows) if layer.scheme.is_kivi else {}
         wrappers = {
             "store_kv": lambda: store.store_kv(layer.key, layer.value, layer.cache, m.slot_mapping, layer.scheme,
@@ -173,9 +189,6 @@ def measure(decodes: int, context: int, prompt: int, calls: int) -> dict[str, di
                 p.dense_v, HEAD_DIM, **({**own, "sequence_slots": m.sequence_slots[n:],
                                          "query_start_loc": m.query_start_loc[n:]} if own else {})),
         }
-        if layer.scheme.is_kivi:
-            wrappers["stage_open_keys"] = lambda: store.stage_open_keys(layer.key, m.slot_mapping, layer.pool,
-                                                                        m.staging_slots)
         for label, call in wrappers.items():
             timed[label] = host_us(call, calls)
         for label, us in timed.items():
@@ -183,13 +196,14 @@ def measure(decodes: int, context: int, prompt: int, calls: int) -> dict[str, di
     return rows
 
 
-def table(rows: dict[str, dict[str, float]], decodes: int, context: int, prompt: int, calls: int) -> str:
-    lines = [f"Host us per call, launches as no-ops: {decodes} decodes of {context} tokens, a mixed layer adds one "
-             f"{prompt}-token prompt (Llama-3.1-8B attention: {Q_HEADS} query heads, {KV_HEADS} KV heads, head_dim "
-             f"{HEAD_DIM}); medians of {calls} calls, one thread.", "",
+def table(rows: dict[str, dict[str, float | int]], decodes: int, context: int, prompt: int, calls: int) -> str:
+    lines = [f"Host us per call, launches as no-ops (counted in the launch rows): {decodes} decodes of {context} "
+             f"tokens, a mixed layer adds one {prompt}-token prompt (Llama-3.1-8B attention: {Q_HEADS} query heads, "
+             f"{KV_HEADS} KV heads, head_dim {HEAD_DIM}); medians of {calls} calls, one thread.", "",
              "| call | " + " | ".join(SCHEMES) + " |", "|---|" + "---:|" * len(SCHEMES)]
     for label, per_scheme in rows.items():
-        cells = [f"{per_scheme[s]:.1f}" if s in per_scheme else "-" for s in SCHEMES]
+        cells = [("-" if s not in per_scheme else f"{per_scheme[s]}" if isinstance(per_scheme[s], int)
+                  else f"{per_scheme[s]:.1f}") for s in SCHEMES]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

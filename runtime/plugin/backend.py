@@ -38,6 +38,7 @@ from s4kv.kernels.layout import bytes_per_token, cache_shape
 from s4kv.kernels.prefill_plan import PAGE, FlashPass, plan_prefill_pass
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.staging import STAGE_BY_CALLER, STAGE_IN_STORE, staging_overwrites_reads
 from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
 
 from .config import BLOCK_SIZE, S4KVConfigError, check_vllm_config
@@ -127,6 +128,10 @@ class S4KVMetadata:
     # int4_kivi steps with prefill: the rows that write their block's last slot (the store's close runs over them
     # alone); None for decode-only steps, whose close runs a program per row (a grid of the batch size: CUDA graphs)
     close_rows: torch.Tensor | None = None  # [n] int32
+    # int4_kivi: the store stages the keys of blocks still open in its own launch, before the close and attention
+    # read the pool; False where this step's staging would overwrite rows they read (kernels/staging.py), or the
+    # KV update may run inside a piecewise CUDA graph (kv_update_runs_eagerly): then the forward stages after attention
+    stage_in_store: bool = False
 
 
 @dataclass
@@ -198,6 +203,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         m = common_attn_metadata
         has_prefill = m.max_query_len > self.reorder_batch_threshold  # run eagerly, never in a full CUDA graph
         staging_slots = sequence_slots = close_rows = None
+        stage_in_store = False
         if self.staging is not None:
             # exact host lengths: int4_kivi runs without speculative decoding (config.py), so the upper bound is exact
             seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens_cpu
@@ -205,6 +211,8 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
                                                                m.query_start_loc_cpu, seq_lens)
             if has_prefill and self.update_runs_eagerly:
                 close_rows = self._list_closing_rows(m, seq_lens)
+            stage_in_store = self.update_runs_eagerly and not staging_overwrites_reads(
+                m.query_start_loc_cpu[: m.num_reqs + 1].numpy(), seq_lens[: m.num_reqs].numpy())
         return S4KVMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -218,6 +226,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
             staging_slots=staging_slots,
             sequence_slots=sequence_slots,
             close_rows=close_rows,
+            stage_in_store=stage_in_store,
         )
 
     def _list_closing_rows(self, m: CommonAttentionMetadata, seq_lens: torch.Tensor) -> torch.Tensor | None:
@@ -359,8 +368,9 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         if metadata is None:  # a profiling run: every slot is -1, nothing is stored
             return
         close_rows = {} if metadata.close_rows is None else {"close_rows": metadata.close_rows}
+        stage = STAGE_IN_STORE if metadata.stage_in_store else STAGE_BY_CALLER  # else after attention (forward)
         self._store_kv(key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping, self.scheme, self.staged_keys,
-                       metadata.staging_slots, stage=False, **close_rows)  # staged after attention (forward)
+                       metadata.staging_slots, stage=stage, **close_rows)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: S4KVMetadata | None, output: torch.Tensor,
@@ -371,7 +381,7 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
         self._attend(query, key, value, kv_cache, attn_metadata, output)
-        if self.staged_keys is not None:
+        if self.staged_keys is not None and not attn_metadata.stage_in_store:
             # after attention: a step that closes the block it starts in and ends inside the next one re-keys the
             # slot, and attention still reads the first block's earlier keys from it
             n = attn_metadata.slot_mapping.shape[0]

@@ -12,7 +12,7 @@ from attention_oracle import causal_attention
 from s4kv.kernels import reference as ref
 from s4kv.kernels.layout import KIVI_BLOCK_SIZE, PageLayout, cache_shape
 from s4kv.kernels.scheme import Int4Scheme
-from s4kv.kernels.staging import allocate_pool, sequence_staging_slots
+from s4kv.kernels.staging import STAGE_BY_CALLER, allocate_pool, sequence_staging_slots
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 
 NULL_BLOCK = 0  # never handed to a sequence: it stays poisoned, and block-table padding points at it
@@ -105,13 +105,13 @@ class PagedBatch:
 
     def step_staging(self, scheme: Int4Scheme) -> dict:
         """store_kv's staging arguments for the step's store (``key``'s rows, padding included), after the prefixes'
-        store: as the engine stores before attention, staging nothing (stage=False), so the pool keeps the rows
+        store: as the engine stores before attention, staging nothing (stage "by_caller"), so the pool keeps the rows
         attention reads and the step can be stored again (another cache, the kernel) from the same pool."""
         if not scheme.is_kivi:
             return {}
         slots = sequence_staging_slots([q_len for _, q_len in self.specs], self.key.device)
         padding = torch.full((self.key.shape[0] - self.num_tokens,), -1, device=self.key.device)
-        return dict(staged_keys=self.staged_keys, staging_slots=torch.cat([slots, padding]), stage=False)
+        return dict(staged_keys=self.staged_keys, staging_slots=torch.cat([slots, padding]), stage=STAGE_BY_CALLER)
 
     def pool_read(self, scheme: Int4Scheme) -> dict:
         """Attention's int4_kivi arguments after the step's store: the step's keys and the pool; none for int4_saw."""

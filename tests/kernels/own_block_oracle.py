@@ -15,6 +15,7 @@ from kv_batches import PagedBatch, make_paged_batch, poison_fresh_values, poison
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.staging import STAGE_BY_CALLER
 
 B = 128
 KIVI = Int4Scheme("int4_kivi")
@@ -73,9 +74,10 @@ def batch_rule_attention(batch: PagedBatch, softmax_scale: float, scheme: Int4Sc
 @dataclass
 class StepPool:
     """int4_kivi's staging pool as attention sees it in a step: ``staged_keys`` after the step's store, which closes
-    blocks but stages nothing yet (the engine stages after attention: store_kv(stage=False)), and ``sequence_slots``
-    (runtime/plugin/staging.py: the slot of the block each sequence's step starts in, a fresh one where the step
-    starts on a block boundary; every token of the sequence carries it)."""
+    blocks but stages nothing yet (store_kv's stage "by_caller", as the engine stores a step whose staging would
+    overwrite rows attention reads: kernels/staging.py), and ``sequence_slots`` (runtime/plugin/staging.py: the
+    slot of the block each sequence's step starts in, a fresh one where the step starts on a block boundary; every
+    token of the sequence carries it)."""
 
     staged_keys: torch.Tensor
     sequence_slots: torch.Tensor
@@ -111,5 +113,6 @@ def stored_step(gen, specs, head_dim, device, num_q_heads=4, num_kv_heads=2, sch
     rows = [torch.full((q,), int(s)) for (_, q), s in zip(specs, slots)]
     rows.append(torch.full((batch.key.shape[0] - batch.num_tokens,), -1))
     staging_slots = torch.cat(rows).to(device=device, dtype=torch.int32)
-    store(batch.key, batch.value, cache, batch.slot_mapping, scheme, staged_keys, staging_slots, stage=False)
+    store(batch.key, batch.value, cache, batch.slot_mapping, scheme, staged_keys, staging_slots,
+          stage=STAGE_BY_CALLER)
     return batch, cache, StepPool(staged_keys, slots.to(device=device, dtype=torch.int32))

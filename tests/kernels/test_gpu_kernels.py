@@ -34,7 +34,8 @@ from s4kv.kernels.attention import (CODE_PATHS, DECODE_LAUNCH, PREFILL_LAUNCH, S
 from s4kv.kernels.dense import gather_dense_kv
 from s4kv.kernels.prefill_plan import plan_prefill_pass
 from s4kv.kernels.scheme import Int4Scheme
-from s4kv.kernels.store import stage_open_keys, store_kv
+from s4kv.kernels.staging import STAGE_BY_CALLER, STAGE_IN_STORE
+from s4kv.kernels.store import store_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -254,15 +255,14 @@ def test_cuda_graph_replay_of_store_and_attention_matches_eager(request, scheme_
     workspace = SplitWorkspace.allocate(num_q_heads, num_kv_heads, head_dim, "cuda", scheme.name)
 
     def decode_step(inputs, cache, pool, out):
-        """As the backend runs a step: the store, attention, then (int4_kivi) the open blocks' keys staged."""
-        staging = {} if pool is None else dict(staged_keys=pool, staging_slots=store_slots, stage=False)
+        """As the backend runs a decode step: the store (int4_kivi: staging the open blocks' keys in its launch, as
+        a decode step's staging overwrites no row attention reads), then attention."""
+        staging = {} if pool is None else dict(staged_keys=pool, staging_slots=store_slots, stage=STAGE_IN_STORE)
         store_kv(inputs["key"], inputs["value"], cache, inputs["slot_mapping"], scheme, **staging)
         own_block = {} if pool is None else dict(new_keys=inputs["key"], staged_keys=pool,
                                                  sequence_slots=inputs["sequence_slots"])
         paged_attention(inputs["query"], cache, batch.block_table, inputs["seq_lens"], query_start_loc, 1,
                         head_dim**-0.5, scheme, out, workspace=workspace, **own_block)
-        if pool is not None:
-            stage_open_keys(inputs["key"], inputs["slot_mapping"], pool, store_slots)
 
     def clone(pool):
         return None if pool is None else pool.clone()
@@ -318,7 +318,7 @@ def test_dependent_merge_matches_the_merge_after_the_splits(request, scheme_name
     if scheme.is_kivi:
         cache, pool = cache_and_pool_with_prefix(batch, gen, "cuda")
         store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme, staged_keys=pool.staged_keys,
-                 staging_slots=pool.per_token(batch), stage=False)
+                 staging_slots=pool.per_token(batch), stage=STAGE_BY_CALLER)
         own_block = dict(new_keys=batch.key, staged_keys=pool.staged_keys,
                          sequence_slots=torch.tensor(pool.store_slots, dtype=torch.int32, device="cuda"))
     else:
@@ -369,7 +369,8 @@ def test_kernels_address_pages_past_4_gib(request, scheme_name):
                              device="cuda")
     if scheme.is_kivi:  # with its staging pool, as the engine runs it: one copy per cache
         small, pool = cache_and_pool_with_prefix(batch, gen, "cuda")
-        staging = dict(staged_keys=pool.staged_keys, staging_slots=pool.per_token(batch), stage=False)
+        staging = dict(staged_keys=pool.staged_keys, staging_slots=pool.per_token(batch),
+                       stage=STAGE_BY_CALLER)
         big_staging = dict(staging, staged_keys=pool.staged_keys.clone())
         slots = torch.tensor(pool.store_slots, dtype=torch.int32, device="cuda")
     else:

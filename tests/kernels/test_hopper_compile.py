@@ -23,7 +23,7 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     # attention 4 code paths x (split decode, plain decode, prefill), merge 4 x 1, store 1 (K and V), dense gather
     # 1; at head_dim 64 the default code path only: attention 3, merge 1, store 1, dense 1; and per head_dim and
     # dtype, KIVI's store with its staging pool also closes over every row and stages (1 + 1) and a second store
-    # closes over listed rows (store 1, close 1); per scheme, head_dim and dtype the split
+    # stages in its own launch and closes over listed rows (store 1, close 1); per scheme, head_dim and dtype the split
     # decode with a dependent merge, every tile masked and joint row sums (attention and merge, 12 each), and the
     # prefill with unmasked full tiles (attention 12); per int4_saw scheme, head_dim and dtype the split decode with
     # the query rows as the MMA's N (attention and merge, 8 each)

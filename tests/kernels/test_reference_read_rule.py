@@ -22,6 +22,7 @@ from kv_batches import NULL_BLOCK, poisoned_cache, random_keys, random_values
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.scheme import Int4Scheme
+from s4kv.kernels.staging import STAGE_BY_CALLER
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 
 pytestmark = pytest.mark.filterwarnings("ignore:(divide by zero|invalid value|overflow) encountered:RuntimeWarning")
@@ -146,7 +147,7 @@ def run_step(engine: Engine, sequences: list[Sequence], seqs: list[int], slot_ov
     pool_args = {}
     if engine.scheme.is_kivi:
         ref.store_kv(new_keys, torch.cat(values + [padding]), engine.cache, slot_mapping, engine.scheme,
-                     engine.staged_keys, staging_slots, stage=False)
+                     engine.staged_keys, staging_slots, stage=STAGE_BY_CALLER)
         pool_args = dict(staged_keys=engine.staged_keys, sequence_slots=torch.tensor(seq_slots, dtype=torch.int32))
     else:
         ref.store_kv(new_keys, torch.cat(values + [padding]), engine.cache, slot_mapping, engine.scheme)

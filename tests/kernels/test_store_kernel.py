@@ -17,7 +17,8 @@ from s4kv.kernels import store
 from s4kv.runtime.plugin.staging import block_closing_rows
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 from s4kv.kernels.scheme import Int4Scheme
-from s4kv.kernels.staging import allocate_pool, sequence_staging_slots
+from s4kv.kernels.staging import (STAGE_BY_CALLER, STAGE_IN_STORE, allocate_pool, sequence_staging_slots,
+                                  staging_overwrites_reads)
 from s4kv.kernels.store import store_kv
 
 SCHEMES = {
@@ -260,7 +261,7 @@ def test_keys_and_values_are_stored_in_one_launch(gen, kernel_device, launches, 
     rows = batch.key.shape[0]
     assert rows == 174
     expected_grids = {"_store_per_token_kernel": [(11, 3)], "_kivi_close_kernel": [], "_kivi_stage_kernel": []}
-    if scheme.is_kivi:  # step_staging stores with stage=False, as the engine does
+    if scheme.is_kivi:  # step_staging stores with stage "by_caller"
         expected_grids["_kivi_close_kernel"] = [(rows, 3)]
     assert grids(launches) == expected_grids
 
@@ -277,33 +278,56 @@ CLOSE_STEPS = [
 ]
 
 
+class CloseSteps:
+    """CLOSE_STEPS' sequences over a poisoned cache and pool: blocks 0, 6, 8, 10 and pool slots 1 and 5 are never
+    written, and three NaN padding rows end every step."""
+
+    lengths = {"a": 258, "b": 260, "c": 300, "d": 129}
+    blocks = {"a": [9, 2, 14], "b": [5, 11, 1], "c": [7, 3, 12], "d": [13, 4]}
+    pool_slots = {"a": 3, "b": 0, "c": 4, "d": 2}
+    num_heads, num_padding = 2, 3
+
+    def __init__(self, gen, device, head_dim: int):
+        self.device = device
+        self.keys = {s: random_keys(gen, n, self.num_heads, torch.float16, device, head_dim)
+                     for s, n in self.lengths.items()}
+        self.values = {s: random_keys(gen, n, self.num_heads, torch.float16, device, head_dim)
+                       for s, n in self.lengths.items()}
+        self.nan_rows = torch.full((self.num_padding, self.num_heads, head_dim), float("nan"), dtype=torch.float16,
+                                   device=device)
+        self.cache = poisoned_cache(15, self.num_heads, 128, gen, device, head_dim)
+        self.pool = torch.randn(6, self.num_heads, 128, head_dim, generator=gen).to(device, torch.float16) * 1e3
+        self.pool[1, :, 5:9] = float("nan")
+
+    def batch(self, step) -> dict:
+        """store_kv's arguments for one step (key, value, slot mapping, staging slots) and its host lengths."""
+        padding = torch.full((self.num_padding,), -1)
+        positions = [torch.arange(a, b) for _, a, b in step]
+        return dict(
+            key=torch.cat([self.keys[s][a:b] for s, a, b in step] + [self.nan_rows]),
+            value=torch.cat([self.values[s][a:b] for s, a, b in step] + [self.nan_rows]),
+            slots=torch.cat([torch.tensor(self.blocks[s])[p // 128] * 128 + p % 128
+                             for (s, _, _), p in zip(step, positions)] + [padding]).to(self.device),
+            staging=torch.cat([torch.full((b - a,), self.pool_slots[s]) for s, a, b in step]
+                              + [padding]).to(self.device),
+            query_start_loc=np.cumsum([0] + [b - a for _, a, b in step]),
+            seq_lens=np.array([b for _, _, b in step]),
+        )
+
+
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 def test_kivi_close_over_listed_rows_matches_the_close_over_every_row(gen, kernel_device, launches, head_dim):
     """Step by step from one state, the close over the rows block_closing_rows lists (what the engine's builder
     passes for a step with prefill) writes the same cache and pool bytes as the close over every row, which match
     the reference's; it launches one program per listed row and KV head, none when no block closes."""
     scheme = SCHEMES["kivi"]
-    num_heads, num_padding = 2, 3
-    lengths = {"a": 258, "b": 260, "c": 300, "d": 129}
-    blocks = {"a": [9, 2, 14], "b": [5, 11, 1], "c": [7, 3, 12], "d": [13, 4]}  # blocks 0, 6, 8, 10 stay poisoned
-    pool_slots = {"a": 3, "b": 0, "c": 4, "d": 2}  # slots 1 and 5 stay poisoned
-    keys = {s: random_keys(gen, n, num_heads, torch.float16, kernel_device, head_dim) for s, n in lengths.items()}
-    values = {s: random_keys(gen, n, num_heads, torch.float16, kernel_device, head_dim) for s, n in lengths.items()}
-    nan_rows = torch.full((num_padding, num_heads, head_dim), float("nan"), dtype=torch.float16, device=kernel_device)
-    state = poisoned_cache(15, num_heads, 128, gen, kernel_device, head_dim)
-    pool = torch.randn(6, num_heads, 128, head_dim, generator=gen).to(kernel_device, torch.float16) * 1e3
-    pool[1, :, 5:9] = float("nan")
+    steps = CloseSteps(gen, kernel_device, head_dim)
+    state, pool = steps.cache, steps.pool
     closes = []
     for step in CLOSE_STEPS:
-        key = torch.cat([keys[s][a:b] for s, a, b in step] + [nan_rows])
-        value = torch.cat([values[s][a:b] for s, a, b in step] + [nan_rows])
-        positions = [torch.arange(a, b) for _, a, b in step]
-        slots = torch.cat([torch.tensor(blocks[s])[p // 128] * 128 + p % 128 for (s, _, _), p in zip(step, positions)]
-                          + [torch.full((num_padding,), -1)]).to(kernel_device)
-        staging = torch.cat([torch.full((b - a,), pool_slots[s]) for s, a, b in step]
-                            + [torch.full((num_padding,), -1)]).to(kernel_device)
-        query_start_loc = np.cumsum([0] + [b - a for _, a, b in step])
-        rows = block_closing_rows(query_start_loc, np.array([b for _, _, b in step]), 128)
+        b = steps.batch(step)
+        key, value, slots, staging = b["key"], b["value"], b["slots"], b["staging"]
+        rows = block_closing_rows(b["query_start_loc"], b["seq_lens"], 128)
         assert rows.tolist() == ref.closing_rows(slots.cpu(), 128).tolist()
         stores = {}
         for name, close_rows in (("every row", None), ("listed rows", torch.from_numpy(rows).to(kernel_device))):
@@ -311,7 +335,7 @@ def test_kivi_close_over_listed_rows_matches_the_close_over_every_row(gen, kerne
             store_kv(key, value, cache, slots, scheme, staged_keys=staged, staging_slots=staging,
                      close_rows=close_rows)
             stores[name] = cache, staged
-            grid = (key.shape[0] if close_rows is None else len(rows), num_heads)
+            grid = (key.shape[0] if close_rows is None else len(rows), steps.num_heads)
             assert grids(launches)["_kivi_close_kernel"] == ([grid] if grid[0] else []), f"{name}, {step}"
         expected, expected_pool = state.clone(), pool.clone()
         ref.store_kv(key, value, expected, slots, scheme, staged_keys=expected_pool, staging_slots=staging)
@@ -323,6 +347,46 @@ def test_kivi_close_over_listed_rows_matches_the_close_over_every_row(gen, kerne
         state, pool = expected, expected_pool
         closes.append(len(rows))
     assert closes == [0, 2, 2, 0, 2, 1]  # as CLOSE_STEPS describes
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_kivi_staging_in_the_store_launch(gen, kernel_device, launches, head_dim):
+    """Step by step, as the engine's eager steps store: the close over the listed rows, and the open blocks' keys
+    staged in the store's own launch (stage "in_store", no stage launch) where staging_overwrites_reads says the
+    step allows it, else by a stage launch after the store. Both give the bytes of the reference that stages after
+    its closes; and the kernel staging in its launch gives the reference's "in_store" bytes at every step, the
+    steps that forbid it (whose closes then read the overwritten rows) included."""
+    scheme = SCHEMES["kivi"]
+    steps = CloseSteps(gen, kernel_device, head_dim)
+    state, pool = steps.cache, steps.pool
+    allowed = []
+    for step in CLOSE_STEPS:
+        b = steps.batch(step)
+        key, value, slots, staging = b["key"], b["value"], b["slots"], b["staging"]
+        close_rows = torch.from_numpy(block_closing_rows(b["query_start_loc"], b["seq_lens"], 128)).to(kernel_device)
+        in_store = not staging_overwrites_reads(b["query_start_loc"], b["seq_lens"])
+        allowed.append(in_store)
+        expected, expected_pool = state.clone(), pool.clone()
+        ref.store_kv(key, value, expected, slots, scheme, staged_keys=expected_pool, staging_slots=staging)
+        for stage in (STAGE_IN_STORE, STAGE_BY_CALLER):
+            cache, staged = state.clone(), pool.clone()
+            store_kv(key, value, cache, slots, scheme, staged_keys=staged, staging_slots=staging, stage=stage,
+                     close_rows=close_rows)
+            assert grids(launches)["_kivi_stage_kernel"] == [], f"{stage}, {step}"
+            if stage == STAGE_BY_CALLER:
+                store.stage_open_keys(key, slots, staged, staging)
+            if stage == STAGE_BY_CALLER or in_store:
+                assert_caches_match(cache, expected, state, slots, scheme, head_dim=head_dim)
+                assert torch.equal(staged.view(torch.int16), expected_pool.view(torch.int16)), f"{stage}, {step}"
+            if stage == STAGE_IN_STORE:
+                same_order, same_order_pool = state.clone(), pool.clone()
+                ref.store_kv(key, value, same_order, slots, scheme, staged_keys=same_order_pool,
+                             staging_slots=staging, stage=STAGE_IN_STORE)
+                assert_caches_match(cache, same_order, state, slots, scheme, head_dim=head_dim)
+                assert torch.equal(staged.view(torch.int16), same_order_pool.view(torch.int16)), f"{step}"
+        grids(launches)
+        state, pool = expected, expected_pool
+    assert allowed == [True, False, True, True, True, False]  # b's and c's chunks start and end inside blocks
 
 
 def test_close_rows_are_int32_and_int4_kivi_only(kernel_device):

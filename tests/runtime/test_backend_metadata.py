@@ -145,6 +145,25 @@ def test_int4_kivi_steps_with_prefill_list_their_closing_rows(model_dir, plain):
     assert kivi.build(0, mixed).close_rows is None
 
 
+def test_int4_kivi_stages_in_the_store_unless_the_step_overwrites_pool_rows_it_reads(model_dir, plain):
+    """int4_kivi's store stages the open blocks' keys in its own launch (S4KVMetadata.stage_in_store) in every step
+    but one with a chunk that starts inside a block and ends inside a later one (it re-keys its slot while the close
+    and attention still read the first block's earlier rows there); decode-only steps and their CUDA-graph capture
+    always; int4_saw stages nothing; a KV update inside piecewise graphs never (its launch would be frozen)."""
+    kivi = make_builder(model_dir, None, "int4_kivi")
+    decodes = batch([1, 1], [127, 255])
+    assert kivi.build(0, decodes).stage_in_store
+    assert kivi.build_for_cudagraph_capture(decodes).stage_in_store
+    assert kivi.build(0, batch([1, 1, 1000], [500, 20, 0])).stage_in_store  # a prompt from position 0
+    assert kivi.build(0, batch([1, 300], [500, 256])).stage_in_store  # a chunk from a block boundary
+    assert kivi.build(0, batch([1, 100], [500, 130])).stage_in_store  # a chunk inside one block
+    assert kivi.build(0, batch([1, 126], [500, 130])).stage_in_store  # a chunk that ends on a block boundary
+    assert not kivi.build(0, batch([1, 127], [500, 130])).stage_in_store  # ends one position into the next block
+    assert not plain.build(0, batch([1, 127], [500, 130])).stage_in_store
+    kivi.update_runs_eagerly = False
+    assert not kivi.build(0, decodes).stage_in_store
+
+
 def test_closing_rows_only_where_the_kv_update_runs_outside_piecewise_graphs():
     from vllm.config import CompilationConfig, CUDAGraphMode
 

@@ -1,7 +1,8 @@
 """int4_kivi's staging-slot assignment (runtime/plugin/staging.py), step by step as the engine drives it: which slot
 each token and sequence carries, re-keying to the block a step ends in, release on close, on finish/preemption and
-when a block id is written from offset 0 again, and a loud failure when the pool runs out. The last test checks that
-the slots the assignment hands the store make every closed page a function of its keys alone (the reference store)."""
+when a block id is written from offset 0 again, and a loud failure when the pool runs out. The last tests check that
+the slots the assignment hands the store make every closed page a function of its keys alone (the reference store),
+and where the store may stage the open pages' keys in its own launch."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from s4kv.kernels import reference as ref
 from s4kv.kernels.layout import cache_shape
 from s4kv.kernels.scheme import Int4Scheme
-from s4kv.kernels.staging import allocate_pool
+from s4kv.kernels.staging import (STAGE_AFTER_CLOSE, STAGE_BY_CALLER, STAGE_IN_STORE, allocate_pool,
+                                  staging_overwrites_reads)
 from s4kv.runtime.plugin.staging import (NO_SLOT, SlotAssignment, StagingAssignmentError, StagingBuffers,
                                          StagingPoolExhausted, announce_step, block_closing_rows, departed_requests)
 
@@ -205,29 +207,55 @@ def test_the_assigned_slots_make_pages_a_function_of_their_keys():
         assert torch.equal(one_batch[a], pressured[b]), f"sequence {s}: closed pages differ"
 
 
-def test_staging_after_the_store_equals_the_store_that_stages():
-    """The engine stores with stage=False and stages after attention: the same cache and pool as one staging store,
-    and the unstaged store leaves the pool alone (attention still reads the block the step starts in there)."""
+def run_three_steps(stage_of_step) -> tuple[torch.Tensor, torch.Tensor]:
+    """One int4_kivi sequence stored in three steps (ends inside block 3; closes it and ends inside block 1; one
+    decode), each stored as ``stage_of_step(first position, new tokens)`` says: a store_kv stage, or "after
+    attention" (the store stages nothing, then stage_open_keys). Returns the cache and the pool."""
     torch.manual_seed(1)
     scheme, heads, dim = Int4Scheme("int4_kivi"), 2, 64
     key, value = (torch.randn(300, heads, dim, dtype=torch.float16) for _ in range(2))
     table = np.array([[3, 1, 5]])
-    results = []
-    for split in (True, False):
-        slots = SlotAssignment(2, BSZ)
-        cache = torch.randint(0, 256, cache_shape(8, heads, BSZ, dim), dtype=torch.uint8,
-                              generator=torch.Generator().manual_seed(2))
-        pool = allocate_pool(2, heads, BSZ, dim, torch.float16, "cpu").fill_(float("nan"))
-        for c, q in ((0, 100), (100, 150), (250, 1)):  # ends inside block 3, then closes it and ends inside 1, ...
-            step_slots = slots.assign(np.array([c]), np.array([q]), table)
-            mapping = torch.tensor([int(table[0, p // BSZ]) * BSZ + p % BSZ for p in range(c, c + q)])
-            staging = torch.from_numpy(np.repeat(step_slots, [q]))
-            if split:
-                before = pool.clone()
-                ref.store_kv(key[c:c + q], value[c:c + q], cache, mapping, scheme, pool, staging, stage=False)
-                assert torch.equal(pool.isnan(), before.isnan()) and torch.equal(pool.nan_to_num(), before.nan_to_num())
-                ref.stage_open_keys(key[c:c + q], mapping, pool, staging)
-            else:
-                ref.store_kv(key[c:c + q], value[c:c + q], cache, mapping, scheme, pool, staging)
-        results.append((cache, pool.nan_to_num(7.0)))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    slots = SlotAssignment(2, BSZ)
+    cache = torch.randint(0, 256, cache_shape(8, heads, BSZ, dim), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(2))
+    pool = allocate_pool(2, heads, BSZ, dim, torch.float16, "cpu").fill_(float("nan"))
+    for c, q in ((0, 100), (100, 150), (250, 1)):
+        step_slots = slots.assign(np.array([c]), np.array([q]), table)
+        mapping = torch.tensor([int(table[0, p // BSZ]) * BSZ + p % BSZ for p in range(c, c + q)])
+        staging = torch.from_numpy(np.repeat(step_slots, [q]))
+        stage = stage_of_step(c, q)
+        if stage == "after attention":
+            before = pool.clone()
+            ref.store_kv(key[c:c + q], value[c:c + q], cache, mapping, scheme, pool, staging, stage=STAGE_BY_CALLER)
+            assert torch.equal(pool.isnan(), before.isnan()) and torch.equal(pool.nan_to_num(), before.nan_to_num())
+            ref.stage_open_keys(key[c:c + q], mapping, pool, staging)
+        else:
+            ref.store_kv(key[c:c + q], value[c:c + q], cache, mapping, scheme, pool, staging, stage=stage)
+    return cache, pool.nan_to_num(7.0)
+
+
+def engine_stage(c: int, q: int) -> str:
+    """The backend's choice (S4KVMetadata.stage_in_store) for a one-sequence step."""
+    return "after attention" if staging_overwrites_reads([0, q], [c + q], BSZ) else STAGE_IN_STORE
+
+
+def test_the_engine_staging_gives_the_bytes_of_the_store_that_stages_after_its_closes():
+    """The engine stages in the store's launch where the step's staging overwrites no pool row it reads, else after
+    attention (the store stages nothing, the pool keeps the rows attention reads): the same cache and pool as a
+    store that stages after its closes, every step."""
+    assert [engine_stage(c, q) for c, q in ((0, 100), (100, 150), (250, 1))] == [
+        STAGE_IN_STORE, "after attention", STAGE_IN_STORE]
+    engine = run_three_steps(engine_stage)
+    after_close = run_three_steps(lambda c, q: STAGE_AFTER_CLOSE)
+    assert torch.equal(engine[0], after_close[0]) and torch.equal(engine[1], after_close[1])
+
+
+def test_staging_in_the_store_where_it_overwrites_reads_would_close_the_block_from_the_wrong_keys():
+    """Why the engine checks: the second step starts inside block 3 and ends inside block 1, re-keying the slot;
+    staged before the close, block 1's first rows overwrite the rows block 3's close reads as its originals."""
+    in_store = run_three_steps(lambda c, q: STAGE_IN_STORE)
+    after_close = run_three_steps(lambda c, q: STAGE_AFTER_CLOSE)
+    assert not torch.equal(in_store[0][3], after_close[0][3])  # block 3, closed in the second step
+    assert torch.equal(in_store[0][1], after_close[0][1]) and torch.equal(in_store[1], after_close[1])
+
+

@@ -95,6 +95,7 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
     from s4kv.kernels.dense import gather_dense_kv
     from s4kv.kernels.layout import KIVI_BLOCK_SIZE, cache_shape
     from s4kv.kernels.scheme import Int4Scheme
+    from s4kv.kernels.staging import STAGE_IN_STORE
     from s4kv.kernels.store import store_kv
     from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 
@@ -109,8 +110,8 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
         pool = torch.zeros(num_seqs, num_kv_heads, block_size, head_dim, dtype=dtype)
         staging = dict(staged_keys=pool, staging_slots=torch.zeros(5, dtype=torch.int64)) if scheme.is_kivi else {}
         store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme, **staging)
-        if scheme.is_kivi:  # an eager step's store: the close over the rows the builder lists
-            store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme, **staging, stage=False,
+        if scheme.is_kivi:  # an eager step's store: staging in its launch, the close over the rows the builder lists
+            store_kv(kv, kv, cache, torch.arange(5, dtype=torch.int64), scheme, **staging, stage=STAGE_IN_STORE,
                      close_rows=torch.tensor([4], dtype=torch.int32))
         # head_dim 64: the backend's own launches (launch=None), which pick the code path that head_dim allows
         code_paths = attention.CODE_PATHS.values() if head_dim == 128 else [None]
