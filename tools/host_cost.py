@@ -86,7 +86,7 @@ class Layer:
         from s4kv.kernels.prefill_plan import PAGE, plan_prefill_pass
         from s4kv.kernels.scheme import Int4Scheme
         from s4kv.kernels.staging import allocate_pool
-        from s4kv.runtime.plugin.backend import PrefillPlan, S4KVMetadata
+        from s4kv.runtime.plugin.backend import PrefillPlan, S4KVMetadata, with_sequence_rows
 
         self.scheme = Int4Scheme.parse({"scheme": scheme_name})
         dtype = torch.float16
@@ -115,7 +115,7 @@ class Layer:
         closing = torch.tensor([tokens - 1 - i * PAGE for i in range(prompt // PAGE)][::-1], dtype=torch.int32)
 
         def metadata(n_seqs: int, n_tokens: int, prefill: PrefillPlan | None) -> S4KVMetadata:
-            return S4KVMetadata(
+            return with_sequence_rows(S4KVMetadata(
                 num_actual_tokens=n_tokens, max_query_len=prompt if prefill else 1,
                 query_start_loc=query_start[: n_seqs + 1], max_seq_len=int(seq_lens[:n_seqs].max()),
                 seq_lens=seq_lens[:n_seqs], block_table=table[:n_seqs], slot_mapping=slots[:n_tokens],
@@ -123,7 +123,7 @@ class Layer:
                 staging_slots=staging[:n_tokens] if staging is not None else None,
                 sequence_slots=sequence_slots[:n_seqs] if sequence_slots is not None else None,
                 close_rows=closing if prefill and self.scheme.is_kivi else None,
-                stage_in_store=self.scheme.is_kivi)
+                stage_in_store=self.scheme.is_kivi))
 
         self.decode = metadata(decodes, decodes, None)
         # the prompt starts at position 0: the store stages its open block in its own launch (backend.py)
@@ -156,7 +156,7 @@ def measure(decodes: int, context: int, prompt: int, calls: int) -> dict[str, di
         layer = Layer(name, decodes, context, prompt)
         impl = layer.impl()
         m = layer.mixed
-        p = m.prefill
+        p, d, r = m.prefill, m.decode_rows, m.prefill_rows
         n = decodes
         own = ({"new_keys": layer.key, "staged_keys": layer.pool} if layer.scheme.is_kivi else {})
 
@@ -181,13 +181,13 @@ def measure(decodes: int, context: int, prompt: int, calls: int) -> dict[str, di
             "store_kv": lambda: store.store_kv(layer.key, layer.value, layer.cache, m.slot_mapping, layer.scheme,
                                                **stage),
             "paged_attention (the decodes)": lambda: attention.paged_attention(
-                layer.query[:n], layer.cache, m.block_table[:n], m.seq_lens[:n], m.query_start_loc[: n + 1], 1,
-                impl.scale, layer.scheme, layer.output[:n], workspace=m.workspace,
-                **({**own, "sequence_slots": m.sequence_slots[:n]} if own else {})),
+                layer.query[:n], layer.cache, d.block_table, d.seq_lens, d.query_start_loc, 1, impl.scale,
+                layer.scheme, layer.output[:n], workspace=m.workspace,
+                **({**own, "sequence_slots": d.sequence_slots} if own else {})),
             "gather_dense_kv": lambda: dense.gather_dense_kv(
-                layer.cache, m.block_table[n:], m.seq_lens[n:], p.cu_pages, p.max_seq_len, layer.scheme, p.dense_k,
-                p.dense_v, HEAD_DIM, **({**own, "sequence_slots": m.sequence_slots[n:],
-                                         "query_start_loc": m.query_start_loc[n:]} if own else {})),
+                layer.cache, r.block_table, r.seq_lens, p.cu_pages, p.max_seq_len, layer.scheme, p.dense_k,
+                p.dense_v, HEAD_DIM, **({**own, "sequence_slots": r.sequence_slots,
+                                         "query_start_loc": r.query_start_loc} if own else {})),
         }
         for label, call in wrappers.items():
             timed[label] = host_us(call, calls)

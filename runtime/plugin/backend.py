@@ -132,6 +132,27 @@ class S4KVMetadata:
     # read the pool; False where this step's staging would overwrite rows they read (kernels/staging.py), or the
     # KV update may run inside a piecewise CUDA graph (kv_update_runs_eagerly): then the forward stages after attention
     stage_in_store: bool = False
+    # steps with a PrefillPlan: the decodes' and the prefills' metadata, sliced once for every layer
+    decode_rows: "SequenceRows | None" = None
+    prefill_rows: "SequenceRows | None" = None
+
+
+@dataclass
+class SequenceRows:
+    """The sequences [first, end) of a batch: their rows of the step's metadata (query_start_loc with the part's
+    end, as rows of the whole batch)."""
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    sequence_slots: torch.Tensor | None  # int4_kivi (S4KVMetadata.sequence_slots)
+
+    @classmethod
+    def of(cls, m: S4KVMetadata, first: int, end: int | None = None) -> "SequenceRows":
+        """Sequences first .. end - 1 of ``m`` (end None: to the last)."""
+        return cls(m.block_table[first:end], m.seq_lens[first:end],
+                   m.query_start_loc[first : None if end is None else end + 1],
+                   None if m.sequence_slots is None else m.sequence_slots[first:end])
 
 
 @dataclass
@@ -213,7 +234,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
                 close_rows = self._list_closing_rows(m, seq_lens)
             stage_in_store = self.update_runs_eagerly and not staging_overwrites_reads(
                 m.query_start_loc_cpu[: m.num_reqs + 1].numpy(), seq_lens[: m.num_reqs].numpy())
-        return S4KVMetadata(
+        metadata = S4KVMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
             query_start_loc=m.query_start_loc,
@@ -228,6 +249,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
             close_rows=close_rows,
             stage_in_store=stage_in_store,
         )
+        return with_sequence_rows(metadata)
 
     def _list_closing_rows(self, m: CommonAttentionMetadata, seq_lens: torch.Tensor) -> torch.Tensor | None:
         """The rows of an eager step that write their block's last slot (S4KVMetadata.close_rows), on the device."""
@@ -273,6 +295,16 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         # read the real seq_lens from the same buffer.
         metadata.seq_lens.fill_(1)
         return metadata
+
+
+def with_sequence_rows(m: S4KVMetadata) -> S4KVMetadata:
+    """``m`` with its decode and prefill rows sliced (S4KVMetadata.decode_rows, prefill_rows) where it has a
+    PrefillPlan; unchanged otherwise."""
+    if m.prefill is not None:
+        nd = m.prefill.num_decodes
+        m.decode_rows = SequenceRows.of(m, 0, nd) if nd else None
+        m.prefill_rows = SequenceRows.of(m, nd)
+    return m
 
 
 def kv_update_runs_eagerly(compilation: Any) -> bool:
@@ -392,30 +424,30 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         if m.prefill is None:
             self._paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.max_query_len,
                                   self.scale, self.scheme, output, workspace=m.workspace,
-                                  **self._pool_read(m, slice(None), key))
+                                  **self._pool_read(m.sequence_slots, key))
             return
-        p = m.prefill
-        nd, ndt = p.num_decodes, p.num_decode_tokens
-        if nd:
-            self._paged_attention(query[:ndt], kv_cache, m.block_table[:nd], m.seq_lens[:nd],
-                                  m.query_start_loc[: nd + 1], p.decode_max_query_len, self.scale, self.scheme,
-                                  output[:ndt], workspace=m.workspace, **self._pool_read(m, slice(None, nd), key))
+        p, d = m.prefill, m.decode_rows
+        ndt = p.num_decode_tokens
+        if d is not None:
+            self._paged_attention(query[:ndt], kv_cache, d.block_table, d.seq_lens, d.query_start_loc,
+                                  p.decode_max_query_len, self.scale, self.scheme, output[:ndt],
+                                  workspace=m.workspace, **self._pool_read(d.sequence_slots, key))
         self._prefill_with_flash_attention(query, key, kv_cache, m, output)
 
-    def _pool_read(self, m: S4KVMetadata, rows: slice, key: torch.Tensor) -> dict[str, Any]:
+    def _pool_read(self, sequence_slots: torch.Tensor | None, key: torch.Tensor) -> dict[str, Any]:
         """int4_kivi: what attention reads each query's own block from (docs/kernel-api.md): this step's keys
-        (vLLM's ``key``; rows past num_actual_tokens are CUDA-graph padding, never read) and the staging pool at the
-        slots of the sequences in ``rows``; nothing for int4_saw."""
+        (vLLM's ``key``; rows past num_actual_tokens are CUDA-graph padding, never read) and the staging pool at
+        ``sequence_slots`` (the attended sequences'); nothing for int4_saw."""
         if self.staged_keys is None:
             return {}
-        return {"new_keys": key, "staged_keys": self.staged_keys, "sequence_slots": m.sequence_slots[rows]}
+        return {"new_keys": key, "staged_keys": self.staged_keys, "sequence_slots": sequence_slots}
 
     def _prefill_with_flash_attention(self, query, key, kv_cache, m: S4KVMetadata, output) -> None:
-        p = m.prefill
-        nd, ndt, end = p.num_decodes, p.num_decode_tokens, m.num_actual_tokens
-        pool = self._pool_read(m, slice(nd, None), key)
-        flash_prefill(query[ndt:end], kv_cache, m.block_table[nd:], m.seq_lens[nd:], m.query_start_loc[nd:], p,
-                      self.scheme, self.scale, self.head_size, output[ndt:end], **pool)
+        p, rows = m.prefill, m.prefill_rows
+        ndt, end = p.num_decode_tokens, m.num_actual_tokens
+        flash_prefill(query[ndt:end], kv_cache, rows.block_table, rows.seq_lens, rows.query_start_loc, p,
+                      self.scheme, self.scale, self.head_size, output[ndt:end],
+                      **self._pool_read(rows.sequence_slots, key))
 
 
 def flash_prefill(query, kv_cache, block_table, seq_lens, query_start_loc, p: PrefillPlan, scheme: Int4Scheme,

@@ -59,4 +59,4 @@ class S4KVCpuAttentionImpl(S4KVAttentionImpl):
         """Every query through kernels/cpu_attention (which returns float32); ``key`` is the step's keys, from which
         int4_kivi reads a query's own block (docs/format.md, the read rule)."""
         output.copy_(cpu_attention.paged_attention(query, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
-                                               self.scale, self.scheme, **self._pool_read(m, slice(None), key)))
+                                               self.scale, self.scheme, **self._pool_read(m.sequence_slots, key)))

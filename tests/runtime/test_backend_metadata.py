@@ -96,6 +96,24 @@ def test_prefill_chunks_are_planned_for_flash_attention(plain):
     assert plan.flash.cu_seqlens_q.tolist() == [0, 200]
 
 
+def test_steps_with_prefill_slice_their_decode_and_prefill_rows_once(model_dir, plain):
+    """Every layer's attention reads the decodes' and the prefills' metadata from views the builder sliced once per
+    step (S4KVMetadata.decode_rows, prefill_rows); a step of decodes alone has none, a step of prefills alone no
+    decode rows."""
+    kivi = make_builder(model_dir, None, "int4_kivi")
+    m = kivi.build(0, batch([1, 1, 200, 5], [500, 20, 300, 0]))
+    d, p = m.decode_rows, m.prefill_rows
+    assert torch.equal(d.block_table, m.block_table[:2]) and torch.equal(p.block_table, m.block_table[2:])
+    assert d.seq_lens.tolist() == [501, 21] and p.seq_lens.tolist() == [500, 5]
+    assert d.query_start_loc.tolist() == [0, 1, 2] and p.query_start_loc.tolist() == [2, 202, 207]
+    assert torch.equal(d.sequence_slots, m.sequence_slots[:2]) and torch.equal(p.sequence_slots, m.sequence_slots[2:])
+    assert plain.build(0, batch([1, 200], [500, 300])).decode_rows.sequence_slots is None  # int4_saw has no pool
+    prefills_only = plain.build(0, batch([200], [300]))
+    assert prefills_only.decode_rows is None and prefills_only.prefill_rows.seq_lens.tolist() == [500]
+    decodes = plain.build(0, batch([1, 1], [500, 20]))
+    assert decodes.decode_rows is None and decodes.prefill_rows is None
+
+
 def test_rows_with_drafts_stay_with_the_fused_kernel_beside_a_prefill_chunk(drafting):
     plan = drafting.build(0, batch([4, 4, 200], [500, 20, 300])).prefill
     assert (plan.num_decodes, plan.num_decode_tokens, plan.decode_max_query_len) == (2, 8, 4)
