@@ -2,21 +2,22 @@
 the pass planned on the host (kernels/prefill_plan.py): for int4_kivi an entry per segment of a chunk's queries in
 one block, whose own block is read from a page of its original keys.
 
-On the CPU FlashAttention is emulated here in float64 from its documented semantics (paged K/V through a block
-table, ``seqused_k`` keys, causal bottom-right aligned), so the gather and the segment planning are checked against
-the rule's oracle; the GPU test runs vLLM's FA itself.
+On the CPU FlashAttention is emulated in float64 from its documented semantics (attention_oracle.emulated_flash:
+paged K/V through a block table, ``seqused_k`` keys, causal bottom-right aligned), so the gather and the segment
+planning are checked against the rule's oracle; the GPU test runs vLLM's FA itself.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from attention_oracle import emulated_flash
 from kv_batches import relative_error
 from own_block_oracle import B, KIVI, batch_rule_attention, stored_step
 
 from s4kv.kernels import reference as ref
 from s4kv.kernels.dense import gather_dense_kv
-from s4kv.kernels.prefill_plan import FlashPass, plan_prefill_pass
+from s4kv.kernels.prefill_plan import plan_prefill_pass
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import SUPPORTED_HEAD_DIMS
 
@@ -30,25 +31,6 @@ SOFTMAX_SCALE = 0.1
 # block it starts in, a chunk starting on a block boundary
 PREFILLS = [(100, 200), (0, 150), (30, 98), (256, 20)]
 SPARE_PAGES = 2  # NaN pages past the plan's last one: nothing may write them
-
-
-def emulated_flash(q, dense_k, dense_v, fa_pass: FlashPass, softmax_scale):
-    """The float64 output [T, Hq, D] of one causal flash_attn_varlen_func call, from its documentation."""
-    group = q.shape[1] // dense_k.shape[2]
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    cu = fa_pass.cu_seqlens_q.tolist()
-    for e in range(len(cu) - 1):
-        used = int(fa_pass.seqused_k[e])
-        pages = fa_pass.block_table[e].long()
-        k = dense_k.cpu()[pages].flatten(0, 1)[:used].double().repeat_interleave(group, 1)
-        v = dense_v.cpu()[pages].flatten(0, 1)[:used].double().repeat_interleave(group, 1)
-        rows = q[cu[e] : cu[e + 1]].cpu().double()
-        scores = torch.einsum("qhd,khd->hqk", rows, k) * softmax_scale
-        n_q = rows.shape[0]
-        visible = torch.arange(used)[None, :] <= (used - n_q + torch.arange(n_q))[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[cu[e] : cu[e + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return out
 
 
 def gathered_pages(batch, cache, pool, scheme, slots=None):
