@@ -6,6 +6,8 @@ minute of CI. With CUDA the same tests run the compiled kernel.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -299,19 +301,22 @@ class CloseSteps:
         self.pool = torch.randn(6, self.num_heads, 128, head_dim, generator=gen).to(device, torch.float16) * 1e3
         self.pool[1, :, 5:9] = float("nan")
 
-    def batch(self, step) -> dict:
-        """store_kv's arguments for one step (key, value, slot mapping, staging slots) and its host lengths."""
+    def batch(self, step) -> SimpleNamespace:
+        """One step: store_kv's arguments (key, value, slots: the slot mapping, staging: the staging slots), its host
+        lengths (query_start_loc, seq_lens) and the closing rows the builder would list from them (close_rows)."""
         padding = torch.full((self.num_padding,), -1)
         positions = [torch.arange(a, b) for _, a, b in step]
-        return dict(
+        query_start_loc = np.cumsum([0] + [b - a for _, a, b in step])
+        seq_lens = np.array([b for _, _, b in step])
+        return SimpleNamespace(
             key=torch.cat([self.keys[s][a:b] for s, a, b in step] + [self.nan_rows]),
             value=torch.cat([self.values[s][a:b] for s, a, b in step] + [self.nan_rows]),
             slots=torch.cat([torch.tensor(self.blocks[s])[p // 128] * 128 + p % 128
                              for (s, _, _), p in zip(step, positions)] + [padding]).to(self.device),
             staging=torch.cat([torch.full((b - a,), self.pool_slots[s]) for s, a, b in step]
                               + [padding]).to(self.device),
-            query_start_loc=np.cumsum([0] + [b - a for _, a, b in step]),
-            seq_lens=np.array([b for _, _, b in step]),
+            query_start_loc=query_start_loc, seq_lens=seq_lens,
+            close_rows=torch.from_numpy(block_closing_rows(query_start_loc, seq_lens, 128)).to(self.device),
         )
 
 
@@ -326,11 +331,10 @@ def test_kivi_close_over_listed_rows_matches_the_close_over_every_row(gen, kerne
     closes = []
     for step in CLOSE_STEPS:
         b = steps.batch(step)
-        key, value, slots, staging = b["key"], b["value"], b["slots"], b["staging"]
-        rows = block_closing_rows(b["query_start_loc"], b["seq_lens"], 128)
+        key, value, slots, staging, rows = b.key, b.value, b.slots, b.staging, b.close_rows
         assert rows.tolist() == ref.closing_rows(slots.cpu(), 128).tolist()
         stores = {}
-        for name, close_rows in (("every row", None), ("listed rows", torch.from_numpy(rows).to(kernel_device))):
+        for name, close_rows in (("every row", None), ("listed rows", rows)):
             cache, staged = state.clone(), pool.clone()
             store_kv(key, value, cache, slots, scheme, staged_keys=staged, staging_slots=staging,
                      close_rows=close_rows)
@@ -362,16 +366,15 @@ def test_kivi_staging_in_the_store_launch(gen, kernel_device, launches, head_dim
     allowed = []
     for step in CLOSE_STEPS:
         b = steps.batch(step)
-        key, value, slots, staging = b["key"], b["value"], b["slots"], b["staging"]
-        close_rows = torch.from_numpy(block_closing_rows(b["query_start_loc"], b["seq_lens"], 128)).to(kernel_device)
-        in_store = not staging_overwrites_reads(b["query_start_loc"], b["seq_lens"])
+        key, value, slots, staging = b.key, b.value, b.slots, b.staging
+        in_store = not staging_overwrites_reads(b.query_start_loc, b.seq_lens)
         allowed.append(in_store)
         expected, expected_pool = state.clone(), pool.clone()
         ref.store_kv(key, value, expected, slots, scheme, staged_keys=expected_pool, staging_slots=staging)
         for stage in (STAGE_IN_STORE, STAGE_BY_CALLER):
             cache, staged = state.clone(), pool.clone()
             store_kv(key, value, cache, slots, scheme, staged_keys=staged, staging_slots=staging, stage=stage,
-                     close_rows=close_rows)
+                     close_rows=b.close_rows)
             assert grids(launches)["_kivi_stage_kernel"] == [], f"{stage}, {step}"
             if stage == STAGE_BY_CALLER:
                 store.stage_open_keys(key, slots, staged, staging)
