@@ -998,9 +998,8 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         workspace.part_acc if num_splits > 1 else dummy, workspace.part_ml if num_splits > 1 else dummy,
         new_keys, staged_keys, sequence_slots,
         softmax_scale * LOG2E, num_seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), new_keys.stride(0), new_keys.stride(1),
-        *(staged_keys.stride()[:3] if scheme.is_kivi else (0, 0, 0)),
+        *query.stride()[:2], *out.stride()[:2], block_table.stride()[0], *kv_cache.stride()[:2],
+        *new_keys.stride()[:2], *(staged_keys.stride()[:3] if scheme.is_kivi else (0, 0, 0)),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile, BLOCK_SIZE=block_size,
         IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
@@ -1014,7 +1013,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
-            out, workspace.part_acc, workspace.part_ml, query_start_loc, seq_lens, out.stride(0), out.stride(1),
+            out, workspace.part_acc, workspace.part_ml, query_start_loc, seq_lens, *out.stride()[:2],
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, TILE=tile, MIN_SPLIT_TILES=plan.min_split_tiles,
             DEPENDENT=dependent_merge, **({"launch_pdl": True} if dependent_merge else {}),
         )

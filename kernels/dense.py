@@ -188,7 +188,7 @@ def gather_dense_kv(kv_cache, block_table, seq_lens, cu_pages, max_seq_len: int,
         if query_start_loc is None or query_start_loc.shape[0] < num_seqs + 1:
             raise ValueError(f"int4_kivi needs query_start_loc [>= {num_seqs + 1}]: where each chunk starts")
         own = (new_keys, staged_keys, sequence_slots, query_start_loc,
-               new_keys.stride(0), new_keys.stride(1), *staged_keys.stride()[:3])
+               *new_keys.stride()[:2], *staged_keys.stride()[:3])
     else:
         if new_keys is not None or query_start_loc is not None:
             raise ValueError(f"{scheme.name} takes no new_keys or query_start_loc: only int4_kivi reads originals")
@@ -200,8 +200,7 @@ def gather_dense_kv(kv_cache, block_table, seq_lens, cu_pages, max_seq_len: int,
     grid = (num_seqs, cdiv(max_seq_len, block_size) * block_size // tile, num_kv_heads)
     _gather_dense_kernel[grid](
         kv_cache, block_table, seq_lens, cu_pages, dense_k, dense_v, *own[:4],
-        dense_k.stride(0), dense_k.stride(1), dense_k.stride(2), block_table.stride(0), kv_cache.stride(0),
-        kv_cache.stride(1), *own[4:],
+        *dense_k.stride()[:3], block_table.stride()[0], *kv_cache.stride()[:2], *own[4:],
         BLOCK_SIZE=block_size, TILE=tile, IS_KIVI=scheme.is_kivi, HADAMARD_BLOCK=scheme.hadamard_block_for(head_dim),
         ROTATE_V=scheme.rotate_values, HALF=layout.half_dim,
     )
