@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host time of one attention layer per int4 scheme, every kernel launch replaced by a no-op (no GPU needed).
+"""Host time of one attention layer per int4 scheme, every kernel launch replaced by a counting no-op (no GPU).
 
     python -m tools.host_cost                     # Llama-3.1-8B's attention shape, 16 decodes of 2,048 tokens
     python -m tools.host_cost --json FILE         # the same, also as JSON
@@ -9,7 +9,8 @@ layer and for a mixed layer (the decodes and one prompt's prefill), and each ker
 mixed layer's arguments (argument checks, page layout, split plan, grid). vLLM's FlashAttention call is stubbed too,
 so only our Python is timed. In vLLM's eager (mixed) steps the host launches each layer's attention while the GPU
 runs the layer before, so this Python, plus one Triton launch per kernel (18-33 us on the H200's host:
-docs/performance.md, levers), is what a mixed step's host pays per layer. Medians of ``--calls`` calls on one thread.
+docs/performance.md, levers), is what a mixed step's host pays per layer; the launch rows count those launches.
+Medians of ``--calls`` calls on one thread.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ class Layer:
         return impl
 
 
-def measure(decodes: int, context: int, prompt: int, calls: int) -> dict[str, dict[str, float]]:
-    """Host us per call: {row name: {scheme: us}}."""
+def measure(decodes: int, context: int, prompt: int, calls: int) -> dict[str, dict[str, float | int]]:
+    """Host us per call, or launches per layer: {row name: {scheme: value}}."""
     from s4kv.kernels import attention, dense, store
     from s4kv.kernels.staging import STAGE_IN_STORE
     from s4kv.runtime.plugin import backend
