@@ -86,7 +86,7 @@ class Layer:
         from s4kv.kernels.layout import cache_shape, cdiv
         from s4kv.kernels.prefill_plan import PAGE, plan_prefill_pass
         from s4kv.kernels.scheme import Int4Scheme
-        from s4kv.kernels.staging import allocate_pool
+        from s4kv.kernels.staging import allocate_pool, staging_overwrites_reads
         from s4kv.runtime.plugin.backend import PrefillPlan, S4KVMetadata, with_sequence_rows
 
         self.scheme = Int4Scheme.parse({"scheme": scheme_name})
@@ -124,10 +124,10 @@ class Layer:
                 staging_slots=staging[:n_tokens] if staging is not None else None,
                 sequence_slots=sequence_slots[:n_seqs] if sequence_slots is not None else None,
                 close_rows=closing if prefill and self.scheme.is_kivi else None,
-                stage_in_store=self.scheme.is_kivi))
+                stage_in_store=self.scheme.is_kivi and not staging_overwrites_reads(query_start[: n_seqs + 1],
+                                                                                    seq_lens[:n_seqs])))
 
         self.decode = metadata(decodes, decodes, None)
-        # the prompt starts at position 0: the store stages its open block in its own launch (backend.py)
         self.mixed = metadata(decodes + 1, tokens, PrefillPlan(
             num_decodes=decodes, num_decode_tokens=decodes, decode_max_query_len=1, cu_pages=plan.cu_pages,
             flash=plan.flash, max_query_len=prompt, max_seq_len=prompt, dense_k=dense_k,

@@ -67,7 +67,6 @@ class Layer:
             impl = S4KVCpuAttentionImpl if cpu_platform else S4KVAttentionImpl
             self.builder = builder(spec, [LAYER], config, torch.device("cpu"))
             self.impl = impl(NUM_Q_HEADS, HEAD_DIM, HEAD_DIM**-0.5, NUM_KV_HEADS, None, None, "int4_per_token_head")
-        self.layer_name = LAYER
         self.reference = cpu_platform
         self.cache = torch.randint(0, 256, cache_shape(16, NUM_KV_HEADS, BSZ, HEAD_DIM), dtype=torch.uint8,
                                    generator=torch.Generator().manual_seed(0))

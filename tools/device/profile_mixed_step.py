@@ -204,10 +204,10 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     arrivals = iter(range(10**6))
 
     def add_prompts() -> set[str]:
-        request_ids = {f"prompt-{next(arrivals)}" for _ in range(spec["prompts"])}
-        for request_id in sorted(request_ids):
+        request_ids = [f"prompt-{next(arrivals)}" for _ in range(spec["prompts"])]
+        for request_id in request_ids:
             engine.add_request(request_id, prompt(spec["prompt_len"]), one_token)
-        return request_ids
+        return set(request_ids)
 
     def mixed_step() -> float:
         request_ids = add_prompts()
