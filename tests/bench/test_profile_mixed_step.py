@@ -31,6 +31,8 @@ def test_kernel_profile_sums_per_kernel_and_counts_overlaps_once():
     assert p["busy_us"] == 12 + 10 + 1  # [0, 12] + [20, 30] + [40, 41]
     assert p["host_ops"] == [["vllm::unified_attention_with_output", 8, 2]]
     assert p["wall_us"] == 50.0
+    assert p["span_us"] == 41 and p["idle_in_span_us"] == 41 - 23
+    assert p["largest_gaps"] == [[10, "gemm", "attn"], [8, "attn", "gemm"]]  # [30, 40] and [12, 20]
 
 
 def test_configs_name_a_format_and_optionally_the_v1_runner():

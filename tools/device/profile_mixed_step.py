@@ -35,6 +35,7 @@ from typing import Any
 DEFAULT_CONFIGS = "bf16_fa3,s4kv_saw,s4kv_kivi"
 DECODES_BETWEEN = 3
 TOP_KERNELS = 14
+LARGEST_GAPS = 6
 RESULT_PREFIX = "S4KV_MIXED_STEP "
 HOST_OP_PREFIX = "vllm::"
 V1_SUFFIX = ":v1"
@@ -81,18 +82,27 @@ def kernel_profile(prof, wall_us: float) -> dict[str, Any]:
                 entry[1] += 1
             continue
         start, end = event.time_range.start, event.time_range.end
-        intervals.append((start, end))
+        intervals.append((start, end, event.name))
         entry = per_name.setdefault(event.name, [0.0, 0])
         entry[0] += end - start
         entry[1] += 1
-    busy, covered_to = 0.0, float("-inf")
-    for start, end in sorted(intervals):
+    busy, covered_to, gaps = 0.0, float("-inf"), []
+    last_name = None
+    for start, end, name in sorted(intervals):
+        if start > covered_to and last_name is not None:
+            gaps.append([start - covered_to, last_name, name])
         if end > covered_to:
             busy += end - max(start, covered_to)
-            covered_to = end
+            covered_to, last_name = end, name
+    span = covered_to - min(intervals)[0] if intervals else 0.0
     kernels = sorted(([name, us, n] for name, (us, n) in per_name.items()), key=lambda k: -k[1])
     return {"wall_us": wall_us, "busy_us": busy, "kernel_us": sum(k[1] for k in kernels), "kernels": kernels,
-            "host_ops": sorted(([name, us, n] for name, (us, n) in host_ops.items()), key=lambda k: -k[1])}
+            "host_ops": sorted(([name, us, n] for name, (us, n) in host_ops.items()), key=lambda k: -k[1]),
+            # the GPU idle inside the kernels' span (waiting for the host mid-step) against the idle before the first
+            # kernel and after the last (the step's host work before and after the model: scheduling, input
+            # preparation, attention metadata, sampling); the largest gaps with the kernels either side
+            "span_us": span, "idle_in_span_us": span - busy,
+            "largest_gaps": sorted(gaps, key=lambda g: -g[0])[:LARGEST_GAPS]}
 
 
 def profiled_step(engine) -> dict[str, Any]:
@@ -273,17 +283,18 @@ def table(results: list[dict[str, Any]], spec: dict[str, Any]) -> str:
         "from one profiled step of each kind.",
         "",
         "| configuration | decode step ms | mixed step ms | mixed - decode | mixed: GPU busy ms | mixed: wall - busy | "
-        "mixed: host ms in vllm:: ops |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "mixed: GPU idle mid-step | mixed: before first + after last kernel | mixed: host ms in vllm:: ops |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in ok:
         mp = r["mixed_profile"]
         lines.append(f"| {r['config']} | {r['decode_step_ms']:.2f} | {r['mixed_step_ms']:.2f} | "
                      f"{r['mixed_step_ms'] - r['decode_step_ms']:.2f} | {mp['busy_us'] / 1e3:.2f} | "
-                     f"{(mp['wall_us'] - mp['busy_us']) / 1e3:.2f} | {sum(op[1] for op in mp['host_ops']) / 1e3:.2f} |")
+                     f"{(mp['wall_us'] - mp['busy_us']) / 1e3:.2f} | {idle_cells(mp)} | "
+                     f"{sum(op[1] for op in mp['host_ops']) / 1e3:.2f} |")
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | {r['status']} | | | | | |")
+            lines.append(f"| {r['config']} | {r['status']} | | | | | | | |")
     names = [attribute for _, attribute in HOST_TIMED if any(attribute in r["host_ms"]["mixed"] for r in ok)]
     if names:
         lines += ["", "Host ms per mixed step inside each function (calls per step), the mean over the timed mixed "
@@ -301,7 +312,17 @@ def table(results: list[dict[str, Any]], spec: dict[str, Any]) -> str:
                       "| kernel | ms | launches |", "|---|---:|---:|"]
             lines += [f"| `{name[:90]}` | {us / 1e3:.3f} | {n} |" for name, us, n in p["kernels"][:TOP_KERNELS]]
             lines += [f"| host: `{name}` | {us / 1e3:.3f} | {n} |" for name, us, n in p["host_ops"]]
+            lines += ["", "| GPU idle between kernels, ms | kernel before | kernel after |", "|---:|---|---|"]
+            lines += [f"| {us / 1e3:.3f} | `{before[:60]}` | `{after[:60]}` |"
+                      for us, before, after in p.get("largest_gaps", [])]
     return "\n".join(lines) + "\n"
+
+
+def idle_cells(profile: dict[str, Any]) -> str:
+    """The GPU's idle mid-step and before its first kernel + after its last, ms ("-" in runs saved without them)."""
+    if "span_us" not in profile:
+        return "- | -"
+    return f"{profile['idle_in_span_us'] / 1e3:.2f} | {(profile['wall_us'] - profile['span_us']) / 1e3:.2f}"
 
 
 def prompts_text(spec: dict[str, Any]) -> str:
