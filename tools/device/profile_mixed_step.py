@@ -39,9 +39,16 @@ LARGEST_GAPS = 6
 RESULT_PREFIX = "S4KV_MIXED_STEP "
 HOST_OP_PREFIX = "vllm::"
 V1_SUFFIX = ":v1"
-# Host-side functions of the attention path timed in every step (module, attribute; "Class.method" for methods):
-# each format's eager attention and KV-cache update, and within ours the kernel wrappers and vLLM's ops they call.
+# Host-side functions timed in every step (module, attribute; "Class.method" for methods): the model runner's
+# steps (inputs and attention metadata before the model's first kernel, the model, sampling), each format's
+# metadata builder, eager attention and KV-cache update, and within ours the kernel wrappers and vLLM's ops they call.
 HOST_TIMED = (
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_inputs"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_attn"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens"),
+    ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadataBuilder.build"),
+    ("s4kv.runtime.plugin.backend", "S4KVMetadataBuilder.build"),
     ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl.forward"),
     ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl.do_kv_cache_update"),
     ("s4kv.runtime.plugin.backend", "S4KVAttentionImpl.forward"),
