@@ -18,7 +18,6 @@ and constants, never on sequence lengths: the kernels are CUDA-graph safe.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -812,12 +811,10 @@ def _merge_splits_kernel(
 class DecodePlan(NamedTuple):
     """How a decode batch runs. ``splits``: the split count (the grid's third axis); ``min_split_tiles``: the fewest
     tiles a split takes, so a context of fewer than splits x min_split_tiles tiles fills fewer splits (the rest exit
-    at once): the split count a sequence gets follows its context inside the batch's fixed grid. ``max_registers``:
-    the register cap of the scheme's DECODE_LAUNCH for this batch where it is not the launch's own (ONE_WAVE_LAUNCH)."""
+    at once): the split count a sequence gets follows its context inside the batch's fixed grid."""
 
     splits: int
     min_split_tiles: int = 1
-    max_registers: int | None = None
 
     def live_splits(self, num_tiles: int) -> int:
         """The splits a sequence of ``num_tiles`` tiles fills (what the kernels' _live_splits computes)."""
@@ -836,30 +833,10 @@ DECODE_SPLITS = {
 }
 
 
-# A decode batch whose programs (sequences x KV heads x splits) all fit on the SMs at once at a higher register cap
-# runs at that cap: (registers, programs an SM at it). int4_kivi's DECODE_LAUNCH caps it at 128, four programs an
-# SM, with spills (8 local loads and stores a tile); at 168 it has none, and an SM holds three. Measured on the H200:
-# 168 is 1.03-1.14x faster at batch 1 (256 programs), 0.70-0.93x at batch 32 (512 programs: two waves at three an SM
-# against one at four).
-ONE_WAVE_LAUNCH = {"int4_kivi": (168, 3)}
-
-
-@functools.cache
-def default_decode_launch(scheme_name: str, max_registers: int | None = None) -> LaunchConfig:
-    """The scheme's DECODE_LAUNCH at a decode plan's register cap (DecodePlan.max_registers; None: the launch's)."""
-    launch = DECODE_LAUNCH[scheme_name]
-    return launch if max_registers is None else replace(launch, max_registers=max_registers)
-
-
-def decode_plan(num_seqs: int, num_kv_heads: int, num_sms: int, table,
-                one_wave: tuple[int, int] | None = None) -> DecodePlan:
-    """The DecodePlan of a decode batch of ``num_seqs`` sequences by ``table`` (a DECODE_SPLITS entry), at the
-    register cap of ``one_wave`` (an ONE_WAVE_LAUNCH entry) where its programs fit the SMs at once there."""
+def decode_plan(num_seqs: int, num_kv_heads: int, num_sms: int, table) -> DecodePlan:
+    """The DecodePlan of a decode batch of ``num_seqs`` sequences by ``table`` (a DECODE_SPLITS entry)."""
     per_sm = num_seqs * num_kv_heads / num_sms
-    plan = next(DecodePlan(*entry[1:]) for entry in table if per_sm <= entry[0])
-    if one_wave is not None and num_seqs * num_kv_heads * plan.splits <= one_wave[1] * num_sms:
-        plan = plan._replace(max_registers=one_wave[0])
-    return plan
+    return next(DecodePlan(*entry[1:]) for entry in table if per_sm <= entry[0])
 
 
 @dataclass
@@ -895,8 +872,7 @@ class SplitWorkspace:
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
         plans = tuple(DecodePlan(num_splits) if num_splits else
-                      decode_plan(n, num_kv_heads, num_sms, DECODE_SPLITS[scheme_name],
-                                  ONE_WAVE_LAUNCH.get(scheme_name)) if n else DecodePlan(1)
+                      decode_plan(n, num_kv_heads, num_sms, DECODE_SPLITS[scheme_name]) if n else DecodePlan(1)
                       for n in range(max_num_seqs + 1))
         rows = max(n * plan.splits for n, plan in enumerate(plans)) * num_q_heads
         return cls(
@@ -970,7 +946,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     default_launch = launch is None
     plan = workspace.plan(num_seqs) if (decode and workspace is not None) else DecodePlan(1)
     if decode:
-        block_q, launch = 1, launch or default_decode_launch(scheme.name, plan.max_registers)
+        block_q, launch = 1, launch or DECODE_LAUNCH[scheme.name]
         # the MMA takes 16 query rows as M, 8 as N (LaunchConfig.group_as_n)
         block_m = max(8 if launch.group_as_n else 16, next_power_of_2(group))
     else:

@@ -1,19 +1,17 @@
 """The split-KV rule of decode attention (kernels.attention.DECODE_SPLITS) and the workspace it sizes: a function
-of the batch size only (CUDA graphs are captured per batch size), buffers sized for vLLM's max_num_seqs, and the
-register cap of a batch whose programs fit the SMs at once (ONE_WAVE_LAUNCH)."""
+of the batch size only (CUDA graphs are captured per batch size), buffers sized for vLLM's max_num_seqs."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
 from kv_batches import relative_error
 from own_block_oracle import batch_rule_attention, stored_step
 
-from s4kv.kernels.attention import (DECODE_LAUNCH, DECODE_SPLITS, ONE_WAVE_LAUNCH, DecodePlan, SplitWorkspace,
-                                    decode_plan, default_decode_launch, paged_attention)
+from s4kv.kernels.attention import (DECODE_LAUNCH, DECODE_SPLITS, DecodePlan, SplitWorkspace, decode_plan,
+                                    paged_attention)
 from s4kv.kernels.layout import tile_tokens
 from s4kv.kernels.scheme import Int4Scheme
 from s4kv.runtime.schemes import SCHEMES
@@ -50,29 +48,10 @@ def test_workspace_holds_the_largest_batch_times_its_splits(scheme_name, num_q_h
     table = DECODE_SPLITS[scheme_name]
     assert ws.max_num_seqs == max_num_seqs
     for n in range(1, max_num_seqs + 1):
-        assert ws.plan(n) == decode_plan(n, num_kv_heads, 132, table, ONE_WAVE_LAUNCH.get(scheme_name))
+        assert ws.plan(n) == decode_plan(n, num_kv_heads, 132, table)
     need = max(n * ws.plan(n).splits for n in range(1, max_num_seqs + 1)) * num_q_heads
     assert ws.part_acc.shape == (need, 128) and ws.part_ml.shape == (need, 2)
     assert ws.part_acc.dtype == ws.part_ml.dtype == torch.float32
-
-
-def test_a_batch_that_fits_the_sms_at_once_runs_at_the_one_wave_register_cap():
-    table, one_wave = DECODE_SPLITS["int4_kivi"], ONE_WAVE_LAUNCH["int4_kivi"]
-    registers, per_sm = one_wave
-    for num_seqs, num_kv_heads in [(1, 8), (1, 4), (2, 8), (3, 8), (32, 8), (256, 8), (33, 4)]:
-        plan = decode_plan(num_seqs, num_kv_heads, 132, table, one_wave)
-        one_wave_fits = num_seqs * num_kv_heads * plan.splits <= per_sm * 132
-        assert plan.max_registers == (registers if one_wave_fits else None)
-        assert plan._replace(max_registers=None) == decode_plan(num_seqs, num_kv_heads, 132, table)
-    assert decode_plan(1, 8, 132, table, one_wave).max_registers == registers  # 256 programs
-    assert decode_plan(32, 8, 132, table, one_wave).max_registers is None  # 512 programs, the measured loss
-    assert decode_plan(1, 8, 132, DECODE_SPLITS["int4_saw"]).max_registers is None
-    assert default_decode_launch("int4_kivi", registers) == replace(DECODE_LAUNCH["int4_kivi"], max_registers=registers)
-    assert default_decode_launch("int4_kivi") is DECODE_LAUNCH["int4_kivi"]
-    ws = SplitWorkspace.allocate(32, 8, 128, "cpu", "int4_kivi", max_num_seqs=64, num_sms=132)
-    assert ws.plan(1).max_registers == registers and ws.plan(32).max_registers is None
-    assert all(plan.max_registers is None for plan in
-               SplitWorkspace.allocate(32, 8, 128, "cpu", "int4_saw", max_num_seqs=64, num_sms=132).plans)
 
 
 def test_live_splits_follow_the_plan():
@@ -121,8 +100,7 @@ def decode_with_rule(gen, kernel_device, scheme_name, num_seqs):
     ws = SplitWorkspace.allocate(num_q_heads, num_kv_heads, 128, kernel_device, scheme_name, max_num_seqs=num_seqs,
                                  num_sms=132)
     plan = ws.plan(num_seqs)
-    assert plan == decode_plan(num_seqs, num_kv_heads, 132, DECODE_SPLITS[scheme_name],
-                                ONE_WAVE_LAUNCH.get(scheme_name))
+    assert plan == decode_plan(num_seqs, num_kv_heads, 132, DECODE_SPLITS[scheme_name])
     ws.part_acc.fill_(float("nan"))
     ws.part_ml.fill_(float("nan"))
     batch, cache, pool = stored_step(gen, RULE_CASES[num_seqs], 128, kernel_device, num_q_heads, num_kv_heads,
@@ -160,4 +138,4 @@ def test_min_split_tiles_fill_fewer_splits_for_short_contexts(gen, kernel_device
     """A plan's min_split_tiles: the batch of eight's 1-8 tile contexts fill 1-2 of 16 splits at 4 tiles each, and
     the output is the same attention."""
     monkeypatch.setitem(DECODE_SPLITS, scheme_name, ((math.inf, 16, 4),))
-    assert decode_with_rule(gen, kernel_device, scheme_name, 8)._replace(max_registers=None) == DecodePlan(16, 4)
+    assert decode_with_rule(gen, kernel_device, scheme_name, 8) == DecodePlan(16, 4)
