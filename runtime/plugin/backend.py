@@ -43,6 +43,7 @@ from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_D
 
 from .config import BLOCK_SIZE, S4KVConfigError, check_vllm_config
 from .staging import StagingBuffers, block_closing_rows, install_step_hook
+from .warmup import install_warmup_hook
 
 logger = init_logger("vllm.s4kv")
 
@@ -369,6 +370,7 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         from s4kv.kernels.staging import allocate_pool
 
         install_step_hook()
+        install_warmup_hook()
         num_slots = vllm_config.scheduler_config.max_num_seqs
         dtype = vllm_config.model_config.dtype
         pool = allocate_pool(num_slots, self.num_kv_heads, BLOCK_SIZE, self.head_size, dtype,

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Trit
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BSZ = 4, 2, 128, 128
 LAYER = "model.layers.0.self_attn.attn"
-BLOCKS = {"a": [3, 7, 1, 9], "b": [5, 2, 8], "c": [4, 6, 10], "d": [11, 12]}  # physical blocks per sequence
+BLOCKS = {"a": [3, 7, 1, 9], "b": [5, 2, 8], "c": [4, 6, 10], "d": [11, 12], "e": [13]}  # physical blocks per sequence
 # each step: (sequence, first position, new tokens), decodes first
 STEPS = [
     [("a", 0, 300), ("b", 0, 100)],  # two prompts from position 0: staged in the store's launch
@@ -150,3 +150,26 @@ def test_the_gpu_path_layer_follows_the_reference_step_by_step(scheme, tmp_path)
             assert torch.equal(gpu.impl.staged_keys.nan_to_num(), cpu.impl.staged_keys.nan_to_num()), \
                 f"step {number}: the staging pool"
     assert staged_in_store == ([True, False, True, True, True] if scheme == "int4_kivi" else [False] * 5)
+
+
+@pytest.mark.parametrize("steps", [[("d", 0, 1), ("e", 0, 1), ("a", 1, 150)],  # a chunk from position 1
+                                   [("d", 255, 1), ("a", 0, 256)]])  # a prompt filling two blocks
+def test_a_dummy_warm_up_step_runs_every_eager_launch_and_writes_nothing(steps, tmp_path):
+    """The start-up warm-up's dummy mixed steps (runtime/plugin/warmup.py): vLLM gives them an all-padding slot
+    mapping and announces no step to the staging pool, so the store, the block close, the staging copy and the
+    gather run and leave the cache and the pool as they were."""
+    layer = Layer(engine_config("int4_kivi", tmp_path), cpu_platform=False)
+    common, _ = common_metadata(steps)
+    common.slot_mapping.fill_(-1)
+    tokens = common.num_actual_tokens
+    gen = torch.Generator().manual_seed(2)
+    query, key, value = (torch.randn(tokens, n, HEAD_DIM, generator=gen).half()
+                         for n in (NUM_Q_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+    cache, pool = layer.cache.clone(), layer.impl.staged_keys.clone()
+    layer.metadata = layer.builder.build(0, common)  # no begin_step: the runner announces no dummy step
+    assert layer.metadata.prefill is not None and layer.metadata.close_rows.numel() > 0
+    layer.impl.do_kv_cache_update(layer, key, value, layer.cache, common.slot_mapping)
+    layer.impl.forward(layer, query, key, value, layer.cache, layer.metadata, torch.empty_like(query))
+    assert torch.equal(layer.cache, cache)
+    assert torch.equal(layer.impl.staged_keys.isnan(), pool.isnan())
+    assert torch.equal(layer.impl.staged_keys.nan_to_num(), pool.nan_to_num())

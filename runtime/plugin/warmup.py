@@ -1,0 +1,91 @@
+"""int4_kivi's eager-step kernels compiled while the engine starts, not at the first requests.
+
+vLLM's start-up warm-up (the V1 model runner's dummy run of a few tokens per sequence, then CUDA-graph capture of
+decode batches) never closes a KV block, never prefills beside decodes and never stages an open block's keys, so
+the kernels of those steps (the store's staging variants, the block close, the dense prefill gather, the staging
+copy after attention) would be compiled by the first requests that need them: seconds each, while every running
+request waits (vLLM's JIT monitor logs "Triton kernel JIT compilation during inference"). After vLLM's own kernel
+warm-up, two dummy mixed steps run those launches once (``warm_up_eager_steps``):
+
+* decodes beside a chunk that starts inside a block and ends inside a later one: the close over listed rows, the
+  staging copy after attention, the dense gather with the originals' pages, the decode rows of a mixed step;
+* decodes beside a prompt from position 0 that fills two blocks: the store's staging copy in its own launch.
+
+Dummy steps write nothing: their slot mapping is all padding (-1), which the store and the close skip, and the
+staging slots of a step the runner did not announce are -1 everywhere (staging.StagingBuffers.build).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from .config import BLOCK_SIZE
+from .staging import staging_builders
+
+logger = logging.getLogger("vllm.s4kv")
+
+
+def mixed_steps(max_num_tokens: int, max_num_seqs: int) -> list[dict[str, int]]:
+    """The ``_dummy_run`` arguments of the two warm-up steps (see the module docstring), or none where the engine
+    runs one sequence a step or its token budget has no room for them.
+
+    A dummy mixed batch of ``n`` tokens (vLLM 0.26, ``create_mixed_batch``) holds ``min(max_num_seqs - 1, n // 2)``
+    one-token decodes and one prefill of the rest; the prefill's sequence is one token longer than its chunk (a
+    chunk from position 1), or every sequence is ``profile_seq_lens`` long (the prefill's length: a prompt from
+    position 0)."""
+    def prefill_tokens(n: int) -> int:
+        return n - min(max_num_seqs - 1, n // 2)
+
+    if max_num_seqs < 2:
+        return []
+    sizes = range(2, 4 * BLOCK_SIZE + 1)
+    # a chunk from position 1 past the first block's end, ending inside the second block
+    chunk = next(n for n in sizes if BLOCK_SIZE <= prefill_tokens(n) < 2 * BLOCK_SIZE - 1)
+    # a prompt that fills two blocks
+    prompt = next(n for n in sizes if prefill_tokens(n) == 2 * BLOCK_SIZE)
+    if max(chunk, prompt) > max_num_tokens:
+        return []
+    return [{"num_tokens": chunk}, {"num_tokens": prompt, "profile_seq_lens": 2 * BLOCK_SIZE}]
+
+
+def warm_up_eager_steps(runner: Any) -> bool:
+    """Run the warm-up steps on a V1 model runner whose attention holds int4_kivi builders; False where it holds
+    none or the engine's budget has no room for them."""
+    import torch
+    from vllm.config import CUDAGraphMode
+
+    if not staging_builders(runner):
+        return False
+    steps = mixed_steps(runner.max_num_tokens, runner.scheduler_config.max_num_seqs)
+    if not steps:
+        logger.warning("S4 KV: int4_kivi's eager-step kernels are not warmed up (max_num_seqs %d, %d tokens a step): "
+                       "the first requests that close a block will compile them",
+                       runner.scheduler_config.max_num_seqs, runner.max_num_tokens)
+        return False
+    with torch.inference_mode():
+        for step in steps:
+            runner._dummy_run(cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
+                              create_mixed_batch=True, skip_eplb=True, **step)
+    logger.info("S4 KV: int4_kivi's eager-step kernels compiled (%d dummy mixed steps)", len(steps))
+    return True
+
+
+def install_warmup_hook() -> None:
+    """Run warm_up_eager_steps after vLLM's ``kernel_warmup`` in the GPU worker (idempotent). The CPU worker never
+    calls ``kernel_warmup``, and its attention runs no Triton kernels."""
+    from vllm.v1.worker import gpu_worker
+
+    original = gpu_worker.kernel_warmup
+    if getattr(original, "s4kv_warmup_hook", False):
+        return
+
+    @functools.wraps(original)
+    def kernel_warmup(worker):
+        original(worker)
+        if not worker.use_v2_model_runner:
+            warm_up_eager_steps(worker.model_runner)
+
+    kernel_warmup.s4kv_warmup_hook = True
+    gpu_worker.kernel_warmup = kernel_warmup

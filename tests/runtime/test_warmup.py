@@ -1,0 +1,88 @@
+"""runtime/plugin/warmup.py: the start-up warm-up of int4_kivi's eager-step kernels. The dummy steps' sizes against
+vLLM 0.26's mixed dummy batch, the warm-up on the real CPU engine's runner, and the hook in the GPU worker.
+tests/runtime/test_backend_steps.py runs the GPU path's layer through the same dummy steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from s4kv.runtime.plugin.config import BLOCK_SIZE
+from s4kv.runtime.plugin.warmup import mixed_steps
+
+pytest.importorskip("vllm")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def dummy_batch(num_tokens: int, max_num_seqs: int, profile_seq_lens: int | None = None):
+    """(decode count, prefill tokens, prefill's first position) of vLLM 0.26's mixed dummy batch
+    (GPUModelRunner._dummy_run with create_mixed_batch)."""
+    decodes = min(max_num_seqs - 1, num_tokens // 2)
+    prefill = num_tokens - decodes
+    seq_len = profile_seq_lens if profile_seq_lens is not None else prefill + 1
+    return decodes, prefill, seq_len - prefill
+
+
+@pytest.mark.parametrize("max_num_seqs", [2, 3, 4, 8, 64, 129, 130, 256, 1024])
+def test_the_steps_cross_a_block_from_inside_it_and_fill_two_blocks_from_position_0(max_num_seqs):
+    chunk, prompt = mixed_steps(8192, max_num_seqs)
+    decodes, tokens, first = dummy_batch(max_num_seqs=max_num_seqs, **chunk)
+    assert decodes >= 1 and first == 1
+    assert first < BLOCK_SIZE <= first + tokens - 1 < 2 * BLOCK_SIZE - 1  # closes block 0, ends inside block 1
+    decodes, tokens, first = dummy_batch(max_num_seqs=max_num_seqs, **prompt)
+    assert decodes >= 1 and first == 0 and tokens == 2 * BLOCK_SIZE
+
+
+def test_no_steps_for_one_sequence_a_step_or_a_small_token_budget():
+    assert mixed_steps(8192, 1) == []
+    assert mixed_steps(2 * BLOCK_SIZE, 256) == []
+
+
+def test_the_hook_runs_the_warm_up_after_vllms_in_the_v1_runner_only(monkeypatch):
+    from vllm.v1.worker import gpu_worker
+
+    from s4kv.runtime.plugin import warmup
+
+    calls = []
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", lambda worker: calls.append(("vllm", worker)))
+    monkeypatch.setattr(warmup, "warm_up_eager_steps", lambda runner: calls.append(("s4kv", runner)))
+    warmup.install_warmup_hook()
+    warmup.install_warmup_hook()  # idempotent: one wrapper
+    v1 = SimpleNamespace(use_v2_model_runner=False, model_runner="v1 runner")
+    v2 = SimpleNamespace(use_v2_model_runner=True, model_runner="v2 runner")
+    gpu_worker.kernel_warmup(v1)
+    gpu_worker.kernel_warmup(v2)
+    assert calls == [("vllm", v1), ("s4kv", "v1 runner"), ("vllm", v2)]
+
+
+def test_the_warm_up_on_the_cpu_engine_changes_no_output():
+    """The two dummy steps through the real engine's runner (vLLM's CPU platform, the int4_kivi CPU layer), between
+    two greedy generations of a prompt that closes a page: the same tokens after as before."""
+    script = """
+import json, sys
+sys.path.insert(0, "tests/runtime")
+from cpu_engine_job import LONG_PROMPT, engine_kwargs
+from vllm import LLM, SamplingParams
+from s4kv.runtime.plugin.warmup import warm_up_eager_steps
+llm = LLM("models/tiny-qwen2", **dict(engine_kwargs("int4_kivi"), max_num_batched_tokens=512))
+greedy = SamplingParams(temperature=0, max_tokens=16)
+before = list(llm.generate([LONG_PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+warmed = warm_up_eager_steps(runner)
+after = list(llm.generate([LONG_PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+print("RESULT " + json.dumps({"warmed": warmed, "before": before, "after": after}))
+"""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["warmed"] and len(result["before"]) >= 8
+    assert result["after"] == result["before"]
