@@ -51,8 +51,8 @@ def mixed_steps(max_num_tokens: int, max_num_seqs: int) -> list[dict[str, int]]:
 
 
 def warm_up_eager_steps(runner: Any) -> bool:
-    """Run the warm-up steps on a V1 model runner whose attention holds int4_kivi builders; False where it holds
-    none or the engine's budget has no room for them."""
+    """Run the warm-up steps on a V1 model runner whose attention holds int4_kivi builders; False, with a warning,
+    where it holds none, the engine's budget has no room for them or a step raised."""
     import torch
     from vllm.config import CUDAGraphMode
 
@@ -64,10 +64,15 @@ def warm_up_eager_steps(runner: Any) -> bool:
                        "the first requests that close a block will compile them",
                        runner.scheduler_config.max_num_seqs, runner.max_num_tokens)
         return False
-    with torch.inference_mode():
-        for step in steps:
-            runner._dummy_run(cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
-                              create_mixed_batch=True, skip_eplb=True, **step)
+    try:
+        with torch.inference_mode():
+            for step in steps:
+                runner._dummy_run(cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
+                                  create_mixed_batch=True, skip_eplb=True, **step)
+    except Exception as error:  # an optimization of the start: the engine serves without it, and says so
+        logger.warning("S4 KV: int4_kivi's eager-step kernels are not warmed up (%s: %s): the first requests that "
+                       "close a block will compile them", type(error).__name__, error)
+        return False
     logger.info("S4 KV: int4_kivi's eager-step kernels compiled (%d dummy mixed steps)", len(steps))
     return True
 

@@ -61,6 +61,23 @@ def test_the_hook_runs_the_warm_up_after_vllms_in_the_v1_runner_only(monkeypatch
     assert calls == [("vllm", v1), ("s4kv", "v1 runner"), ("vllm", v2)]
 
 
+def test_a_failed_warm_up_step_is_reported_and_the_start_goes_on(monkeypatch):
+    from s4kv.runtime.plugin import warmup
+
+    def failing_dummy_run(**_):
+        raise RuntimeError("no room")
+
+    builder = SimpleNamespace(staging=object())
+    group = SimpleNamespace(kv_cache_group_id=0, metadata_builders=[builder])
+    runner = SimpleNamespace(attn_groups=[[group]], max_num_tokens=8192,
+                             scheduler_config=SimpleNamespace(max_num_seqs=8), _dummy_run=failing_dummy_run)
+    warnings = []
+    monkeypatch.setattr(warmup.logger, "warning", lambda message, *args: warnings.append(message % args))
+    assert warmup.warm_up_eager_steps(runner) is False
+    assert len(warnings) == 1 and "RuntimeError: no room" in warnings[0] and "will compile them" in warnings[0]
+    assert warmup.warm_up_eager_steps(SimpleNamespace(attn_groups=[])) is False  # no int4_kivi layer: nothing to do
+
+
 def test_the_warm_up_on_the_cpu_engine_changes_no_output():
     """The two dummy steps through the real engine's runner (vLLM's CPU platform, the int4_kivi CPU layer), between
     two greedy generations of a prompt that closes a page: the same tokens after as before."""
