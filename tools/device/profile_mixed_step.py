@@ -40,13 +40,18 @@ RESULT_PREFIX = "S4KV_MIXED_STEP "
 HOST_OP_PREFIX = "vllm::"
 V1_SUFFIX = ":v1"
 # Host-side functions timed in every step (module, attribute; "Class.method" for methods): the model runner's
-# steps (inputs and attention metadata before the model's first kernel, the model, sampling), each format's
-# metadata builder, eager attention and KV-cache update, and within ours the kernel wrappers and vLLM's ops they call.
+# steps (inputs and attention metadata before the model's first kernel, the model, sampling; V2 runner, then the V1
+# runner int4_kivi runs on), each format's metadata builder, eager attention and KV-cache update, and within ours
+# the kernel wrappers and vLLM's ops they call.
 HOST_TIMED = (
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_inputs"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_attn"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._build_attention_metadata"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens"),
     ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadataBuilder.build"),
     ("s4kv.runtime.plugin.backend", "S4KVMetadataBuilder.build"),
     ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl.forward"),
@@ -302,7 +307,9 @@ def table(results: list[dict[str, Any]], spec: dict[str, Any]) -> str:
     for r in results:
         if r["status"] != "ok":
             lines.append(f"| {r['config']} | {r['status']} | | | | | | | |")
-    names = [attribute for _, attribute in HOST_TIMED if any(attribute in r["host_ms"]["mixed"] for r in ok)]
+    # one row per attribute: both runners' execute_model and sample_tokens share theirs (an engine runs one runner)
+    names = [attribute for attribute in dict.fromkeys(attribute for _, attribute in HOST_TIMED)
+             if any(attribute in r["host_ms"]["mixed"] for r in ok)]
     if names:
         lines += ["", "Host ms per mixed step inside each function (calls per step), the mean over the timed mixed "
                   "steps:", "",
