@@ -52,6 +52,9 @@ WARMUP_REQUESTS = 4
 METRICS_PERIOD_S = 0.5
 GAUGE_LINE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 TTFT_TARGET_S = 2.0  # a rate is sustained while p99 TTFT stays under this
+# vLLM 0.26's JIT monitor (mode warn) names each Triton kernel compiled after the engine's warm-up: a compile while
+# serving holds every running request for as long as it takes
+JIT_MONITOR_LINE = re.compile(r"Triton kernel JIT compilation during inference: (\w+)")
 MIN_CONFIG_S = 150  # a 7B server's start on the H200 plus one sweep point: less left, the configuration is skipped
 
 
@@ -357,6 +360,7 @@ def finish(server: Server) -> dict:
     text = server.log_path.read_text(errors="replace")
     record = server.record
     record["kv_cache_tokens"] = bench_report.parse_kv_cache_tokens(text)
+    record["jit_compiled"] = JIT_MONITOR_LINE.findall(text)
     if record.get("status") == "failed":
         record["error"] += "\nlog tail:\n" + "\n".join(text.splitlines()[-15:])
     return record
@@ -378,12 +382,15 @@ def render_markdown(doc: dict) -> str:
     lines = [f"Serving, {meta.get('model', '')}, {meta.get('input_len')} in / {meta.get('output_len')} out tokens, "
              f"{meta.get('requests')} requests per point, {kv_budget(meta)}, "
              f"max_num_seqs {meta.get('max_num_seqs')}; {meta.get('date', '')}", ""]
-    lines.append("| configuration | KV capacity (tokens) | server start |")
-    lines.append("|---|---|---|")
+    lines.append("| configuration | KV capacity (tokens) | server start | Triton kernels compiled after start-up "
+                 "(warm-up requests included) |")
+    lines.append("|---|---|---|---|")
     for run in doc["runs"]:
         kv = f"{run['kv_cache_tokens']:,}" if run.get("kv_cache_tokens") else "-"
         start = f"{run['startup_s']:.0f} s" if run.get("startup_s") else run.get("status", "-")
-        lines.append(f"| {run['label']} | {kv} | {start} |")
+        compiled = run.get("jit_compiled")  # runs saved before it was recorded have none
+        jit = "-" if compiled is None else ", ".join(f"`{name}`" for name in compiled) or "none"
+        lines.append(f"| {run['label']} | {kv} | {start} | {jit} |")
     ms = lambda v: "-" if v is None else f"{v * 1e3:,.0f}"  # noqa: E731
     for kind, title in (("rate", "request rate (Poisson arrivals)"), ("concurrency", "fixed concurrency")):
         lines += ["", f"{title}: TTFT / ITL / E2E in ms", "",

@@ -56,10 +56,11 @@ def _point(kind, value, ttft_p99, itl_p99=0.02, tok_s=100.0, failed=0):
 def _doc():
     runs = [
         {"format": "bf16_fa3", "label": "bf16 + FA3", "status": "ok", "kv_cache_tokens": 107824, "startup_s": 80.0,
+         "jit_compiled": [],
          "points": [_point("rate", 2, 0.5), _point("rate", 4, 2.5), _point("rate", 8, 0.9),
                     _point("concurrency", 16, 0.4, tok_s=900.0)]},
         {"format": "s4kv_kivi", "label": "s4kv int4_kivi", "status": "ok", "kv_cache_tokens": 403840,
-         "startup_s": 85.0,
+         "startup_s": 85.0, "jit_compiled": ["_kivi_close_kernel", "_gather_dense_kernel"],
          "points": [_point("rate", 2, 0.4), _point("rate", 4, 0.6), _point("rate", 8, 1.9, itl_p99=0.03),
                     {**asdict_point(SweepPoint("concurrency", 16, 8)), "skipped": "time budget"}]},
     ]
@@ -76,10 +77,25 @@ def test_sustained_rate_is_the_highest_rate_below_which_every_p99_ttft_passes():
     assert bench_serve.sustained_rates(_doc()) == {"bf16_fa3": 2, "s4kv_kivi": 8}
 
 
+def test_the_kernels_vllms_jit_monitor_saw_compiled_are_read_from_the_server_log():
+    log = ("(EngineCore pid=955) INFO 12-06 00:50:34 [jit_monitor.py:79] Kernel JIT monitor activated; monitored JIT "
+           "compilations during inference will use mode=warn.\n"
+           "(EngineCore pid=955) WARNING 12-06 00:50:39 [jit_monitor.py:135] Triton kernel JIT compilation during "
+           "inference: _kivi_close_kernel. This causes a latency spike; consider extending warmup to cover this "
+           "shape/config.\n"
+           "(EngineCore pid=955) WARNING 12-06 00:50:46 [jit_monitor.py:135] Triton kernel JIT compilation during "
+           "inference: _paged_attention_kernel. This causes a latency spike; consider extending warmup.\n")
+    assert bench_serve.JIT_MONITOR_LINE.findall(log) == ["_kivi_close_kernel", "_paged_attention_kernel"]
+    saved_before = dict(_doc()["runs"][0])
+    del saved_before["jit_compiled"]
+    assert "| bf16 + FA3 | 107,824 | 80 s | - |" in bench_serve.render_markdown({**_doc(), "runs": [saved_before]})
+
+
 def test_tables_and_plot_show_every_point_and_the_skipped_ones():
     doc = _doc()
     table = bench_serve.render_markdown(doc)
-    assert "| bf16 + FA3 | 107,824 | 80 s |" in table
+    assert "| bf16 + FA3 | 107,824 | 80 s | none |" in table
+    assert "| s4kv int4_kivi | 403,840 | 85 s | `_kivi_close_kernel`, `_gather_dense_kernel` |" in table
     assert "| rate 8/s | s4kv int4_kivi | 100 | 950 | 1,900 | 15 | 30 | 1,000 | 2,000 | 3 / 5 | 0 | 0 |" in table
     assert "| concurrency 16 | s4kv int4_kivi | skipped: time budget |" in table
     assert "highest request rate with p99 TTFT under 2 s: bf16 + FA3 2/s; s4kv int4_kivi 8/s" in table
@@ -132,6 +148,7 @@ def test_real_openai_server_on_the_cpu_engine(tmp_path):
     # the fixed budget, in whole 128-token pages of 136 bytes per token, KV head and layer
     assert run["kv_cache_tokens"] == KV_BYTES // (128 * 136 * 2) * 128
     assert run["warmup"]["failed"] == 0
+    assert run["jit_compiled"] == []  # the CPU engine's attention runs no Triton kernels
     assert [p["label"] for p in run["points"]] == ["rate 8/s", "concurrency 2"]
     for point in run["points"]:
         assert point["failed"] == 0 and point["requests"] == 3, point
