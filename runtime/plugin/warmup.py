@@ -11,6 +11,10 @@ warm-up, two dummy mixed steps run those launches once (``warm_up_eager_steps``)
   staging copy after attention, the dense gather with the originals' pages, the decode rows of a mixed step;
 * decodes beside a prompt from position 0 that fills two blocks: the store's staging copy in its own launch.
 
+The V1 runner (int4_kivi's) also computes each real step's slot mapping with a Triton kernel of vLLM's that no dummy
+run launches (vLLM warms it up for Qwen models only), so it is launched once here too, on the runner's own block
+tables with a batch of no tokens (``warm_up_slot_mapping``).
+
 Dummy steps write nothing: their slot mapping is all padding (-1), which the store and the close skip, and the
 staging slots of a step the runner did not announce are -1 everywhere (staging.StagingBuffers.build).
 """
@@ -69,12 +73,24 @@ def warm_up_eager_steps(runner: Any) -> bool:
             for step in steps:
                 runner._dummy_run(cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
                                   create_mixed_batch=True, skip_eplb=True, **step)
+            warm_up_slot_mapping(runner)
     except Exception as error:  # an optimization of the start: the engine serves without it, and says so
         logger.warning("S4 KV: int4_kivi's eager-step kernels are not warmed up (%s: %s): the first requests that "
                        "close a block will compile them", type(error).__name__, error)
         return False
-    logger.info("S4 KV: int4_kivi's eager-step kernels compiled (%d dummy mixed steps)", len(steps))
+    logger.info("S4 KV: int4_kivi's eager-step kernels compiled (%d dummy mixed steps, the slot mapping)", len(steps))
     return True
+
+
+def warm_up_slot_mapping(runner: Any) -> None:
+    """Launch the V1 runner's slot-mapping kernel once on its own block tables (so with the arguments, and the JIT
+    key, of a real step) for one sequence of no tokens: it writes only padding into the runner's slot-mapping
+    buffers, which every step rewrites before use."""
+    import torch
+
+    query_start_loc = torch.zeros(2, dtype=torch.int32, device=runner.device)
+    positions = torch.zeros(1, dtype=torch.int64, device=runner.device)
+    runner.input_batch.block_table.compute_slot_mapping(1, query_start_loc, positions)
 
 
 def install_warmup_hook() -> None:

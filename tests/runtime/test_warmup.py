@@ -78,6 +78,20 @@ def test_a_failed_warm_up_step_is_reported_and_the_start_goes_on(monkeypatch):
     assert warmup.warm_up_eager_steps(SimpleNamespace(attn_groups=[])) is False  # no int4_kivi layer: nothing to do
 
 
+def test_the_slot_mapping_is_launched_on_the_runners_block_tables_for_no_tokens():
+    import torch
+
+    from s4kv.runtime.plugin import warmup
+
+    calls = []
+    block_tables = SimpleNamespace(compute_slot_mapping=lambda *args: calls.append(args))
+    runner = SimpleNamespace(device=torch.device("cpu"), input_batch=SimpleNamespace(block_table=block_tables))
+    warmup.warm_up_slot_mapping(runner)
+    [(num_reqs, query_start_loc, positions)] = calls
+    assert num_reqs == 1 and query_start_loc.tolist() == [0, 0]  # one sequence, no tokens: only padding written
+    assert query_start_loc.dtype == torch.int32 and positions.dtype == torch.int64  # the V1 runner's dtypes
+
+
 def test_the_warm_up_on_the_cpu_engine_changes_no_output():
     """The two dummy steps through the real engine's runner (vLLM's CPU platform, the int4_kivi CPU layer), between
     two greedy generations of a prompt that closes a page: the same tokens after as before."""
