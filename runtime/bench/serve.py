@@ -41,6 +41,7 @@ from xml.sax.saxutils import escape
 
 from s4kv.runtime.cli.demo import wait_until_healthy
 from s4kv.runtime.schemes import choose_model_runner
+from s4kv.runtime.sizing import model_shapes
 
 from . import report as bench_report
 from .matrix import FORMATS, KVFormat, parse_names
@@ -56,6 +57,9 @@ TTFT_TARGET_S = 2.0  # a rate is sustained while p99 TTFT stays under this
 # serving holds every running request for as long as it takes
 JIT_MONITOR_LINE = re.compile(r"Triton kernel JIT compilation during inference: (\w+)")
 MIN_CONFIG_S = 150  # a 7B server's start on the H200 plus one sweep point: less left, the configuration is skipped
+# a server's GPU memory beyond its weights and its fixed KV cache: the CUDA context, CUDA graphs (0.4-0.6 GiB for an
+# 8B model in vLLM's log), activations and workspaces
+SERVER_OVERHEAD_BYTES = 3 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "KV memory binds)")
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
                        help="the same KV-cache memory for every configuration instead of gmu's profiling; the "
-                            "servers then start side by side and are measured one at a time")
+                            "servers then start side by side, in as few waves as the GPU's free memory allows, "
+                            "and are measured one at a time")
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-model-len", type=int, default=4096)
     group.add_argument("--server-arg", action="append", default=[], metavar="ARG",
@@ -265,6 +270,30 @@ def server_command(fmt: KVFormat, model_dir: Path, port: int, args: argparse.Nam
     if fmt.additional_config is not None:
         command += ["--additional-config", json.dumps(fmt.additional_config)]
     return command + list(args.server_arg)
+
+
+def gpu_free_bytes() -> int | None:
+    """Free memory of the first visible GPU, read with nvidia-smi (this process holds no CUDA context); None where
+    there is no NVIDIA GPU or it cannot be read."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    command = ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"]
+    if visible.isdigit():
+        command += ["-i", visible]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True).stdout.split()
+        return int(float(out[0]) * 2**20)  # MiB
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None
+
+
+def server_waves(formats: list[str], server_bytes: int, free_bytes: int | None) -> list[list[str]]:
+    """The configurations in waves of servers that fit the GPU side by side (each ``server_bytes``), in the order
+    given and as even as the count allows; one wave where the free memory is unknown. A server that alone does not
+    fit is a wave of its own (its start then says why)."""
+    per_wave = len(formats) if free_bytes is None else max(1, free_bytes // server_bytes)
+    count = math.ceil(len(formats) / per_wave)
+    size = math.ceil(len(formats) / count)
+    return [formats[i:i + size] for i in range(0, len(formats), size)]
 
 
 def stop_server(server: subprocess.Popen) -> None:
@@ -547,27 +576,33 @@ def run(args: argparse.Namespace) -> int:
         (args.out / "serve.json").write_text(json.dumps(doc, indent=1))
 
     if args.kv_cache_memory_bytes is not None:
-        # The KV budget is fixed, so no server's memory profiling can see another's allocations: start them all
-        # at once (one start's wait instead of one per configuration), then load one server at a time while the
-        # others idle.
-        servers = [start_server(fmt, model_dir, args, logs) for fmt in formats]
-        try:
-            ready = [server for server in servers if await_ready(server, deadline)]
-            sweep(ready, vocab_size, args, deadline)
-        finally:
-            for server in servers:
-                save(finish(server))
+        # The KV budget is fixed, so no server's memory profiling can see another's allocations: start the servers
+        # of a wave at once (one start's wait instead of one per configuration), then load one server at a time
+        # while the others idle. A wave holds as many servers as fit the GPU's free memory side by side.
+        server_bytes = (model_shapes.from_config(json.loads((model_dir / "config.json").read_text())).weight_bytes
+                        + args.kv_cache_memory_bytes + SERVER_OVERHEAD_BYTES)
+        free = gpu_free_bytes()
+        waves = server_waves(formats, server_bytes, free)
+        if len(waves) > 1:
+            print(f"[serve] {len(waves)} waves of servers ({', '.join(' + '.join(w) for w in waves)}): about "
+                  f"{server_bytes / 2**30:.0f} GiB a server, {free / 2**30:.0f} GiB free", flush=True)
     else:
-        for fmt in formats:
-            if deadline is not None and deadline - time.monotonic() < MIN_CONFIG_S:
+        waves = [[fmt] for fmt in formats]  # one at a time: each server's memory profiling sees a free GPU
+    for number, wave in enumerate(waves):
+        if deadline is not None and deadline - time.monotonic() < MIN_CONFIG_S:
+            for fmt in wave:
                 save({"format": fmt, "label": FORMATS[fmt].label, "status": "skipped", "error": "time budget",
                       "points": []})
-                continue
-            server = start_server(fmt, model_dir, args, logs)
-            try:
-                if await_ready(server, deadline):
-                    sweep([server], vocab_size, args, deadline)
-            finally:
+            continue
+        # each wave an even share of the time left, so a late wave is not starved by an early one's sweep
+        wave_deadline = None if deadline is None else (
+            time.monotonic() + (deadline - time.monotonic()) / (len(waves) - number))
+        servers = [start_server(fmt, model_dir, args, logs) for fmt in wave]
+        try:
+            ready = [server for server in servers if await_ready(server, wave_deadline)]
+            sweep(ready, vocab_size, args, wave_deadline)
+        finally:
+            for server in servers:
                 save(finish(server))
     write_outputs(doc, args.out)
     return 1 if any(r["status"] == "failed" for r in doc["runs"]) else 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 
 import pytest
 
@@ -180,3 +181,32 @@ def test_int4_kivi_servers_start_on_vllms_v1_runner_and_the_others_on_its_defaul
     assert runner == {("int4_per_token_head", "int4_kivi"): "0", ("auto", False): None,
                       ("int4_per_token_head", "int4_saw"): None}
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ  # the bench process itself keeps vLLM's default
+
+
+def test_servers_start_in_as_few_even_waves_as_fit_the_gpus_free_memory():
+    formats = ["bf16_fa3", "fp8_fa3", "s4kv_kivi", "s4kv_saw"]
+    gib = 2**30
+    assert bench_serve.server_waves(formats, 22 * gib, 139 * gib) == [formats]  # the H200: all four side by side
+    assert bench_serve.server_waves(formats, 22 * gib, 79 * gib) == [formats[:2], formats[2:]]  # the H100: 3 fit, 2 + 2
+    assert bench_serve.server_waves(formats, 22 * gib, 30 * gib) == [[f] for f in formats]
+    assert bench_serve.server_waves(formats, 22 * gib, 10 * gib) == [[f] for f in formats]  # none fits: each alone
+    assert bench_serve.server_waves(formats, 22 * gib, None) == [formats]  # no GPU to read: one wave
+
+
+def test_the_free_memory_is_read_from_nvidia_smi_of_the_first_visible_gpu(monkeypatch):
+    calls = []
+
+    def fake_run(command, **_):
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout="81000\n", stderr="")
+
+    monkeypatch.setattr(bench_serve.subprocess, "run", fake_run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
+    assert bench_serve.gpu_free_bytes() == 81000 * 2**20
+    assert calls[-1][-2:] == ["-i", "3"]
+
+    def no_smi(command, **_):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(bench_serve.subprocess, "run", no_smi)
+    assert bench_serve.gpu_free_bytes() is None
