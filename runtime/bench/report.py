@@ -29,12 +29,37 @@ THROUGHPUT_TARGET = 1.0
 WALL_TARGET = 1.0
 CAPACITY_TARGET = 3.7
 OTHER_CALL_MARK = " †"
+JIT_MONITOR_LINE = re.compile(r"Triton kernel JIT compilation during inference: (\w+)")
 
 
 def parse_kv_cache_tokens(log: str) -> int | None:
     """vLLM's "GPU KV cache size: 2,043,840 tokens" (the last one, if the log holds several)."""
     matches = KV_CACHE_LINE.findall(log)
     return int(matches[-1].replace(",", "")) if matches else None
+
+
+def parse_jit_compiled(log: str) -> list[str]:
+    """The Triton kernels vLLM 0.26's JIT monitor (mode warn) saw compiled after the engine's start-up warm-up, in
+    order: each compile held every running request for as long as it took."""
+    return JIT_MONITOR_LINE.findall(log)
+
+
+def jit_note(runs: list[dict[str, Any]]) -> str:
+    """One line per engine whose log showed kernels compiled after its start-up (the warm-up requests included),
+    or one line saying none did; empty where no run recorded it."""
+    recorded = [run for run in runs if run.get("jit_compiled") is not None]
+    if not recorded:
+        return ""
+    compiled = [run for run in recorded if run["jit_compiled"]]
+    if not compiled:
+        return "Triton kernels compiled after an engine's start-up (vLLM's JIT monitor): none.\n"
+    lines = ["Triton kernels compiled after an engine's start-up (vLLM's JIT monitor, the warm-up requests included):"]
+    for run in compiled:
+        label = FORMATS[run["format"]].label if run.get("format") in FORMATS else run.get("format", "?")
+        log = run.get("log")
+        where = f" ({Path(log).name})" if isinstance(log, str) else ""
+        lines.append(f"- {label}{where}: " + ", ".join(f"`{name}`" for name in run["jit_compiled"]))
+    return "\n".join(lines) + "\n"
 
 
 def parse_engine_result(log: str) -> dict[str, Any] | None:

@@ -53,9 +53,6 @@ WARMUP_REQUESTS = 4
 METRICS_PERIOD_S = 0.5
 GAUGE_LINE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 TTFT_TARGET_S = 2.0  # a rate is sustained while p99 TTFT stays under this
-# vLLM 0.26's JIT monitor (mode warn) names each Triton kernel compiled after the engine's warm-up: a compile while
-# serving holds every running request for as long as it takes
-JIT_MONITOR_LINE = re.compile(r"Triton kernel JIT compilation during inference: (\w+)")
 MIN_CONFIG_S = 150  # a 7B server's start on the H200 plus one sweep point: less left, the configuration is skipped
 # a server's GPU memory beyond its weights and its fixed KV cache: the CUDA context, CUDA graphs (0.4-0.6 GiB for an
 # 8B model in vLLM's log), activations and workspaces
@@ -389,7 +386,7 @@ def finish(server: Server) -> dict:
     text = server.log_path.read_text(errors="replace")
     record = server.record
     record["kv_cache_tokens"] = bench_report.parse_kv_cache_tokens(text)
-    record["jit_compiled"] = JIT_MONITOR_LINE.findall(text)
+    record["jit_compiled"] = bench_report.parse_jit_compiled(text)
     if record.get("status") == "failed":
         record["error"] += "\nlog tail:\n" + "\n".join(text.splitlines()[-15:])
     return record

@@ -172,3 +172,13 @@ def test_workloads_match_issue_4():
               for name, w in WORKLOADS.items()}
     assert shapes == {"short": (256, 1024, 256, 256, 0.90), "long": (32, 16384, 256, 256, 0.90),
                       "many": (1024, 2048, 512, 1024, 0.90), "24gb": (256, 2048, 512, 256, 0.16)}
+
+
+def test_the_jit_note_names_each_engines_compiled_kernels_or_says_none():
+    kivi = {"format": "s4kv_kivi", "log": "/tmp/logs/s4kv_kivi-gmu0.90-seqs256.log",
+            "jit_compiled": ["_compute_slot_mapping_kernel"]}
+    bf16 = {"format": "bf16_fa3", "log": "/tmp/logs/bf16_fa3-gmu0.90-seqs256.log", "jit_compiled": []}
+    note = bench_report.jit_note([bf16, kivi])
+    assert note.splitlines()[1:] == ["- s4kv int4_kivi (s4kv_kivi-gmu0.90-seqs256.log): `_compute_slot_mapping_kernel`"]
+    assert bench_report.jit_note([bf16]).endswith("(vLLM's JIT monitor): none.\n")
+    assert bench_report.jit_note([{"format": "bf16_fa3"}]) == ""  # runs saved before it was recorded

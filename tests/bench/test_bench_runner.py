@@ -25,6 +25,9 @@ FAKE_ENGINE = textwrap.dedent("""
     speed = {"bf16_fa3": 1.0, "vllm_int4": 0.6, "s4kv_kivi": 1.1}[spec["format"]]
     kv = {"bf16_fa3": 2043840, "vllm_int4": 7694464, "s4kv_kivi": 7694464}[spec["format"]]
     print(f"(EngineCore pid=1) INFO [kv_cache_utils.py:2177] GPU KV cache size: {kv:,} tokens")
+    if spec["format"] == "s4kv_kivi":
+        print("(EngineCore pid=1) WARNING [jit_monitor.py:135] Triton kernel JIT compilation during inference: "
+              "_kivi_close_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.")
     results = {w["name"]: {"wall_s": 10 / speed, "output_tok_s": 1000 * speed, "output_tokens": 1, "total_tok_s": 1}
                for w in spec["workloads"]}
     print("S4KV_BENCH_RESULT " + json.dumps({"startup_s": 1.0, "gpu": "Fake GPU", "vllm": "0.26.0",
@@ -91,6 +94,10 @@ def test_full_run_writes_table_plot_and_records_failures(tmp_path, stand_in, cap
     assert "9.1 s (0.91x)" in table  # s4kv_kivi long wall time
     assert (out / "plot.svg").read_text().startswith("<svg")
     assert (out / "model" / "config.json").is_file()
+    # vLLM's JIT monitor lines: the kernels each engine compiled after its start-up, under the table
+    assert {r["format"]: r["jit_compiled"] for r in doc["runs"] if r["format"] != "s4kv_saw"} == {
+        "bf16_fa3": [], "vllm_int4": [], "s4kv_kivi": ["_kivi_close_kernel"]}
+    assert "- s4kv int4_kivi (s4kv_kivi-" in table and table.count("`_kivi_close_kernel`") == 2  # both engines
     printed = capsys.readouterr().out
     assert "s4kv_kivi: capacity" in printed and "MISSED" not in printed.split("s4kv_kivi:")[1].splitlines()[0]
 

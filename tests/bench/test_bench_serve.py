@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 from s4kv.runtime import cli
+from s4kv.runtime.bench import report as bench_report
 from s4kv.runtime.bench import serve as bench_serve
 from s4kv.runtime.bench.serve import RequestRecord, SweepPoint
 
@@ -86,7 +87,7 @@ def test_the_kernels_vllms_jit_monitor_saw_compiled_are_read_from_the_server_log
            "shape/config.\n"
            "(EngineCore pid=955) WARNING 12-06 00:50:46 [jit_monitor.py:135] Triton kernel JIT compilation during "
            "inference: _paged_attention_kernel. This causes a latency spike; consider extending warmup.\n")
-    assert bench_serve.JIT_MONITOR_LINE.findall(log) == ["_kivi_close_kernel", "_paged_attention_kernel"]
+    assert bench_report.parse_jit_compiled(log) == ["_kivi_close_kernel", "_paged_attention_kernel"]
     saved_before = dict(_doc()["runs"][0])
     del saved_before["jit_compiled"]
     assert "| bf16 + FA3 | 107,824 | 80 s | - |" in bench_serve.render_markdown({**_doc(), "runs": [saved_before]})
