@@ -161,7 +161,10 @@ def test_launch_methods_replace_fields_of_the_decode_launch(bk, monkeypatch):
         "s4kv_saw_um", "int4_saw", {"unmasked_full_tiles": True})
     assert bk.parse_launch_method("s4kv_kivi_2=int4_kivi:num_warps=2,max_registers=none") == (
         "s4kv_kivi_2", "int4_kivi", {"num_warps": 2, "max_registers": None})
+    # no field: the committed launch once more, a control column for the harness's order effect
+    assert bk.parse_launch_method("s4kv_kivi_again=int4_kivi:") == ("s4kv_kivi_again", "int4_kivi", {})
     for bad, message in (("saw_w96=int4_saw:max_registers=96", "expected s4kv_NAME"),
+                         ("s4kv_x=int4_saw", "expected s4kv_NAME"),
                          ("s4kv_saw=int4_saw:max_registers=96", "already a method"),
                          ("s4kv_x=int4_fp8:max_registers=96", "not one of"),
                          ("s4kv_x=int4_saw:registers=96", "LaunchConfig field"),

@@ -19,6 +19,8 @@ batches 1/32/128/256, for:
   --launch NAME=SCHEME:FIELD=VALUE,...   more methods: SCHEME's DECODE_LAUNCH with LaunchConfig fields
              replaced, e.g. a register cap, the codes read two bytes per element:
              --launch s4kv_kivi_w128=int4_kivi:wide_code_loads=true,max_registers=128
+             or with no field, the committed launch once more, timed after the others: a control column, whose
+             ratio to the scheme's own column is this harness's order effect (--launch s4kv_kivi_again=int4_kivi:)
 and the store kernels (s4kv store_kv vs vLLM's reshape_and_cache_int4) for a decode step and a prefill chunk.
 
 Every cache is filled through its own store path from the same random K/V, pages are handed out in a
@@ -360,20 +362,21 @@ DECODE_METHODS = {
 
 def parse_launch_method(spec: str) -> tuple[str, str, dict]:
     """``NAME=SCHEME:FIELD=VALUE,...`` -> (NAME, SCHEME, {field: value}): a decode method that times SCHEME's
-    DECODE_LAUNCH with those LaunchConfig fields replaced. VALUE is true, false, none or an integer."""
+    DECODE_LAUNCH with those LaunchConfig fields replaced (none: the launch itself, a control column). VALUE is
+    true, false, none or an integer."""
     from s4kv.kernels.attention import DECODE_LAUNCH, LaunchConfig
 
     name, sep, rest = spec.partition("=")
     scheme, sep2, fields = rest.partition(":")
-    if not (sep and sep2 and name.startswith("s4kv_") and fields):
-        raise ValueError(f"--launch {spec!r}: expected s4kv_NAME=SCHEME:FIELD=VALUE[,FIELD=VALUE...]")
+    if not (sep and sep2 and name.startswith("s4kv_")):
+        raise ValueError(f"--launch {spec!r}: expected s4kv_NAME=SCHEME:[FIELD=VALUE,...]")
     if name in DECODE_METHODS:
         raise ValueError(f"--launch {spec!r}: {name} is already a method")
     if scheme not in DECODE_LAUNCH:
         raise ValueError(f"--launch {spec!r}: scheme {scheme!r} is not one of {', '.join(DECODE_LAUNCH)}")
     known = {field.name for field in dataclasses.fields(LaunchConfig)}
     options = {}
-    for item in fields.split(","):
+    for item in fields.split(",") if fields else []:
         field, sep3, value = item.partition("=")
         if not sep3 or field not in known:
             raise ValueError(f"--launch {spec!r}: {item!r} is not FIELD=VALUE with a LaunchConfig field "
