@@ -46,6 +46,12 @@ def find_options(additional_config: Any) -> Any | None:
 
 V2_MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
+# The plugin's prefill-capped scheduler (runtime/plugin/scheduler.py), for any KV format: vLLM's --scheduler-cls
+# and the additional_config entry that sets its cap.
+PREFILL_CAPPED_SCHEDULER = "s4kv.runtime.plugin.scheduler.prefill_capped_scheduler"
+SCHEDULER_CONFIG_KEY = "s4kv_scheduler"
+PREFILL_CAP_OPTION = "prefill_tokens_per_step"
+
 
 def choose_model_runner(additional_config: Any, environ: MutableMapping[str, str] = os.environ) -> None:
     """Select vLLM's V1 model runner in ``environ`` (a vLLM process's environment) for int4_kivi, whose staging slots

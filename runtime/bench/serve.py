@@ -40,7 +40,8 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from s4kv.runtime.cli.demo import wait_until_healthy
-from s4kv.runtime.schemes import choose_model_runner
+from s4kv.runtime.schemes import (PREFILL_CAP_OPTION, PREFILL_CAPPED_SCHEDULER, SCHEDULER_CONFIG_KEY,
+                                 choose_model_runner)
 from s4kv.runtime.sizing import model_shapes
 
 from . import report as bench_report
@@ -80,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "and are measured one at a time")
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-model-len", type=int, default=4096)
+    group.add_argument("--prefill-tokens-per-step", type=int, default=None, metavar="TOKENS",
+                       help="every server with the plugin's prefill-capped scheduler: while requests decode, a step "
+                            "takes at most TOKENS prompt tokens (runtime/plugin/scheduler.py); default: vLLM's")
     group.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                        help="one more argument for the server (repeat; e.g. the CPU engine's settings)")
 
@@ -264,8 +268,12 @@ def server_command(fmt: KVFormat, model_dir: Path, port: int, args: argparse.Nam
                "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
     if args.kv_cache_memory_bytes is not None:
         command += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
-    if fmt.additional_config is not None:
-        command += ["--additional-config", json.dumps(fmt.additional_config)]
+    additional_config = dict(fmt.additional_config or {})
+    if args.prefill_tokens_per_step is not None:
+        additional_config[SCHEDULER_CONFIG_KEY] = {PREFILL_CAP_OPTION: args.prefill_tokens_per_step}
+        command += ["--scheduler-cls", PREFILL_CAPPED_SCHEDULER]
+    if additional_config:
+        command += ["--additional-config", json.dumps(additional_config)]
     return command + list(args.server_arg)
 
 
@@ -541,6 +549,8 @@ def run(args: argparse.Namespace) -> int:
         args.concurrency_values = parse_numbers(args.concurrency, "--concurrency")
         if args.requests < 1 or args.input_len < 1 or args.output_len < 1:
             raise ValueError("--requests, --input-len and --output-len must be at least 1")
+        if args.prefill_tokens_per_step is not None and args.prefill_tokens_per_step < 1:
+            raise ValueError("--prefill-tokens-per-step must be at least 1")
         if args.input_len + args.output_len > args.max_model_len:
             raise ValueError(f"--input-len + --output-len ({args.input_len + args.output_len}) exceeds "
                              f"--max-model-len {args.max_model_len}")
@@ -561,7 +571,7 @@ def run(args: argparse.Namespace) -> int:
                     "input_len": args.input_len, "output_len": args.output_len, "requests": args.requests,
                     "gpu_memory_utilization": args.gpu_memory_utilization, "max_num_seqs": args.max_num_seqs,
                     "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-                    "max_model_len": args.max_model_len},
+                    "max_model_len": args.max_model_len, "prefill_tokens_per_step": args.prefill_tokens_per_step},
            "runs": []}
     deadline = time.monotonic() + args.budget_s if args.budget_s is not None else None
 

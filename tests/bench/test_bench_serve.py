@@ -211,3 +211,16 @@ def test_the_free_memory_is_read_from_nvidia_smi_of_the_first_visible_gpu(monkey
 
     monkeypatch.setattr(bench_serve.subprocess, "run", no_smi)
     assert bench_serve.gpu_free_bytes() is None
+
+
+def test_the_prefill_cap_gives_every_server_the_plugins_scheduler_and_its_option(tmp_path):
+    args = cli.build_parser().parse_args(["bench", "--serve", "--prefill-tokens-per-step", "2048"])
+    for name, s4kv in (("s4kv_kivi", {"scheme": "int4_kivi"}), ("bf16_fa3", None)):
+        argv = bench_serve.server_command(bench_serve.FORMATS[name], tmp_path, 8000, args)
+        assert argv[argv.index("--scheduler-cls") + 1] == "s4kv.runtime.plugin.scheduler.prefill_capped_scheduler"
+        config = json.loads(argv[argv.index("--additional-config") + 1])
+        assert config.pop("s4kv_scheduler") == {"prefill_tokens_per_step": 2048}
+        assert config.get("s4kv") == s4kv and set(config) <= {"s4kv"}
+    default = bench_serve.server_command(bench_serve.FORMATS["bf16_fa3"], tmp_path, 8000,
+                                         cli.build_parser().parse_args(["bench", "--serve"]))
+    assert "--scheduler-cls" not in default and "--additional-config" not in default

@@ -8,6 +8,8 @@ while vLLM builds the model, before weights load). The three agree case by case.
 
 from __future__ import annotations
 
+import json
+
 import os
 
 import pytest
@@ -200,6 +202,22 @@ def test_serve_builds_the_vllm_command(tmp_path, capsys):
     assert "--middleware" not in command  # no key set: nothing to demand
     code, out = serve_dry_run(capsys, good, "--scheme", "bf16")
     assert code == EXIT_OK and f"vllm serve {good} --port 8000\n" in out, out
+
+
+def test_serve_with_a_prefill_cap_runs_the_plugins_scheduler_for_any_format(tmp_path, capsys):
+    good = write_model_dir(tmp_path, "qwen", QWEN25_7B)
+    for scheme, s4kv in (("int4_kivi", {"scheme": "int4_kivi"}), ("bf16", None)):
+        code, out = serve_dry_run(capsys, good, "--scheme", scheme, "--prefill-tokens-per-step", "2048")
+        assert code == EXIT_OK, out
+        command = out.split("s4kv serve: ", 1)[1].splitlines()[0]
+        assert "--scheduler-cls s4kv.runtime.plugin.scheduler.prefill_capped_scheduler" in command
+        config = json.loads(command.split("--additional-config ", 1)[1].split(" --port")[0].strip("'"))
+        assert config == {"s4kv_scheduler": {"prefill_tokens_per_step": 2048}, **({"s4kv": s4kv} if s4kv else {})}
+    code, out = serve_dry_run(capsys, good, "--scheme", "int4_kivi", "--prefill-tokens-per-step", "0")
+    assert code == EXIT_BAD_INPUT and "must be a positive number of tokens" in refusal(out)
+    code, out = serve_dry_run(capsys, good, "--scheme", "int4_kivi", "--prefill-tokens-per-step", "64",
+                              "--scheduler_cls", "x.Y")
+    assert code == EXIT_BAD_INPUT and "remove --scheduler-cls" in refusal(out)
 
 
 def test_serve_with_a_key_loads_the_middleware_and_never_prints_the_key(tmp_path, capsys, monkeypatch):
