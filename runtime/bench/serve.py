@@ -415,7 +415,7 @@ def render_markdown(doc: dict) -> str:
     meta = doc["meta"]
     lines = [f"Serving, {meta.get('model', '')}, {meta.get('input_len')} in / {meta.get('output_len')} out tokens, "
              f"{meta.get('requests')} requests per point, {kv_budget(meta)}, "
-             f"max_num_seqs {meta.get('max_num_seqs')}; {meta.get('date', '')}", ""]
+             f"max_num_seqs {meta.get('max_num_seqs')}{scheduler_note(meta)}; {meta.get('date', '')}", ""]
     lines.append("| configuration | KV capacity (tokens) | server start | Triton kernels compiled after start-up "
                  "(warm-up requests included) |")
     lines.append("|---|---|---|---|")
@@ -456,6 +456,11 @@ def kv_budget(meta: dict) -> str:
     if meta.get("kv_cache_memory_bytes"):
         return f"KV cache {meta['kv_cache_memory_bytes'] / 2**30:.2f} GiB for every configuration"
     return f"gmu {meta.get('gpu_memory_utilization')}"
+
+
+def scheduler_note(meta: dict) -> str:
+    cap = meta.get("prefill_tokens_per_step")
+    return f", the prefill-capped scheduler ({cap} prompt tokens a step that decodes)" if cap else ""
 
 
 def sustained_rates(doc: dict) -> dict[str, float | None]:

@@ -221,6 +221,11 @@ def test_the_prefill_cap_gives_every_server_the_plugins_scheduler_and_its_option
         config = json.loads(argv[argv.index("--additional-config") + 1])
         assert config.pop("s4kv_scheduler") == {"prefill_tokens_per_step": 2048}
         assert config.get("s4kv") == s4kv and set(config) <= {"s4kv"}
+    doc = _doc()
+    assert "the prefill-capped scheduler" not in bench_serve.render_markdown(doc).splitlines()[0]
+    doc["meta"]["prefill_tokens_per_step"] = 2048
+    assert ", the prefill-capped scheduler (2048 prompt tokens a step that decodes);" in (
+        bench_serve.render_markdown(doc).splitlines()[0])
     default = bench_serve.server_command(bench_serve.FORMATS["bf16_fa3"], tmp_path, 8000,
                                          cli.build_parser().parse_args(["bench", "--serve"]))
     assert "--scheduler-cls" not in default and "--additional-config" not in default
