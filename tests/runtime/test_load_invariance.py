@@ -20,12 +20,11 @@ do not. tests/runtime/invariance_job.py: nine engines, one per condition and for
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from engine_subprocess import run_engine_job
 
 from s4kv.runtime.bundled_models import bundled_model_dir
 
@@ -41,12 +40,9 @@ def outputs() -> dict:
     model = bundled_model_dir(MODEL)
     # engine and worker in the job's own process; vLLM's V1 runner, which int4_kivi's staging slots follow (on a GPU
     # vLLM would pick its V2 runner, which the plugin refuses for int4_kivi), for every format alike
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0")
-    done = subprocess.run([sys.executable, str(JOB), model, *FORMATS, "--dtype", "float32"], env=env,
-                          capture_output=True, text=True, timeout=1500)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, f"engine job failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
-    return dict(json.loads(lines[-1][len("RESULT "):]), num_layers=json.loads(
+    result = run_engine_job([str(JOB), model, *FORMATS, "--dtype", "float32"], timeout=1500,
+                            VLLM_USE_V2_MODEL_RUNNER="0")
+    return dict(result, num_layers=json.loads(
         Path(model, "config.json").read_text())["num_hidden_layers"])
 
 

@@ -11,12 +11,11 @@ head_dim 64 (Llama-3-shaped). About 3-4 minutes per model on 2 cores.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from engine_subprocess import run_engine_job
 
 from s4kv.kernels.layout import bytes_per_token
 from s4kv.runtime.bundled_models import FACTS, LLAMA3, LLAMA3_HEAD64, QWEN2, bundled_model_dir
@@ -28,12 +27,7 @@ SCHEMES = ("bf16", "int4_kivi", "int4_saw", "int4_saw+ngram")
 
 
 def run_job(model: str) -> dict:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine and worker in the job's own process
-    done = subprocess.run([sys.executable, str(JOB), model, *SCHEMES], env=env, capture_output=True, text=True,
-                          timeout=1200)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, f"engine job failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_engine_job([str(JOB), model, *SCHEMES], timeout=1200)
 
 
 @pytest.fixture(scope="module", params=[QWEN2, LLAMA3, LLAMA3_HEAD64])

@@ -3,17 +3,13 @@ running with it: no step that decodes takes more than its cap of prompt tokens, 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from engine_subprocess import run_engine_job
+
 from s4kv.runtime.plugin.scheduler import prefill_cap, step_budget
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_step_with_decodes_gets_one_token_per_running_request_plus_the_cap():
@@ -75,12 +71,7 @@ print("RESULT " + json.dumps(dict(result, cap=CAP)))
 
 
 def test_the_cpu_engine_with_the_cap_takes_at_most_the_cap_beside_decodes_and_generates_the_same():
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_engine_job(["-c", SCRIPT], timeout=900)
     vllm, capped, cap = result["vllm"], result["capped"], result["cap"]
     assert capped["scheduler"].startswith("PrefillCapped")
     assert capped["tokens"] == vllm["tokens"]  # greedy: the same tokens, only scheduled differently

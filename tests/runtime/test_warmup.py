@@ -4,20 +4,16 @@ tests/runtime/test_backend_steps.py runs the GPU path's layer through the same d
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from engine_subprocess import run_engine_job
 
 from s4kv.runtime.plugin.config import BLOCK_SIZE
 from s4kv.runtime.plugin.warmup import mixed_steps
 
 pytest.importorskip("vllm")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def dummy_batch(num_tokens: int, max_num_seqs: int, profile_seq_lens: int | None = None):
@@ -109,11 +105,6 @@ warmed = warm_up_eager_steps(runner)
 after = list(llm.generate([LONG_PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids)
 print("RESULT " + json.dumps({"warmed": warmed, "before": before, "after": after}))
 """
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_engine_job(["-c", script], timeout=600)
     assert result["warmed"] and len(result["before"]) >= 8
     assert result["after"] == result["before"]
