@@ -570,7 +570,8 @@ def run(args: argparse.Namespace) -> int:
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
     model_dir = prepare_model(args.model, args.out / "model")
-    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    model_config = json.loads((model_dir / "config.json").read_text())
+    vocab_size = model_config["vocab_size"]
     doc = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "command": " ".join(["s4kv", *sys.argv[1:]]), "model": str(args.model),
                     "input_len": args.input_len, "output_len": args.output_len, "requests": args.requests,
@@ -591,8 +592,8 @@ def run(args: argparse.Namespace) -> int:
         # The KV budget is fixed, so no server's memory profiling can see another's allocations: start the servers
         # of a wave at once (one start's wait instead of one per configuration), then load one server at a time
         # while the others idle. A wave holds as many servers as fit the GPU's free memory side by side.
-        server_bytes = (model_shapes.from_config(json.loads((model_dir / "config.json").read_text())).weight_bytes
-                        + args.kv_cache_memory_bytes + SERVER_OVERHEAD_BYTES)
+        server_bytes = (model_shapes.from_config(model_config).weight_bytes + args.kv_cache_memory_bytes
+                        + SERVER_OVERHEAD_BYTES)
         free = gpu_free_bytes()
         waves = server_waves(formats, server_bytes, free)
         if len(waves) > 1:
