@@ -9,8 +9,10 @@ few warm-up requests run, then two sweeps drive it through the official ``openai
 
 Each point sends ``--requests`` requests of ``--input-len`` distinct random token ids and ``--output-len`` output
 tokens (``ignore_eos``). Per point: time to first token, inter-token latency (the gaps between streamed chunks,
-per token) and end-to-end latency at p50 and p99, output tokens/s over the point, and the number of requests the
-server runs and queues (its ``/metrics`` gauges, sampled twice a second). The server's own "GPU KV cache size" line
+per token) and end-to-end latency at p50 and p99, output tokens/s over the point, the number of requests the
+server runs and queues (its ``/metrics`` gauges, sampled twice a second), and the engine's own inter-token latency
+(vLLM's histogram over the point, timed where the engine core emits each token: a p99 far under the client's says the
+gaps arise between the engine and the client, not in the steps). The server's own "GPU KV cache size" line
 gives the KV capacity. Output: ``serve.json`` (every point of every configuration, saved after each one),
 ``serve.md`` (tables) and ``serve.svg`` (p99 ITL and p99 TTFT against the request rate, output tokens/s against
 concurrency).
@@ -53,6 +55,10 @@ SERVE_FORMATS = ("bf16_fa3", "fp8_fa3", "s4kv_kivi", "s4kv_saw")
 WARMUP_REQUESTS = 4
 METRICS_PERIOD_S = 0.5
 GAUGE_LINE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+# the engine's own inter-token latency histogram: gaps between the engine core's output timestamps of a request, so
+# free of the HTTP stream's and this client's delays (vLLM's buckets: 10, 25, 50, 75, 100, 150, 200, 300 ms, ...)
+ITL_BUCKET_LINE = re.compile(r'^vllm:inter_token_latency_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\}\s+([0-9.eE+-]+)$',
+                             re.M)
 TTFT_TARGET_S = 2.0  # a rate is sustained while p99 TTFT stays under this
 MIN_CONFIG_S = 150  # a 7B server's start on the H200 plus one sweep point: less left, the configuration is skipped
 # a server's GPU memory beyond its weights and its fixed KV cache: the CUDA context, CUDA graphs (0.4-0.6 GiB for an
@@ -139,9 +145,28 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def itl_buckets(metrics_text: str) -> dict[float, float]:
+    """vLLM's inter-token latency histogram from a /metrics page: cumulative count per upper bound (seconds, inf
+    last), summed over its label sets (one per engine)."""
+    counts: dict[float, float] = {}
+    for bound, value in ITL_BUCKET_LINE.findall(metrics_text):
+        counts[float(bound)] = counts.get(float(bound), 0.0) + float(value)
+    return dict(sorted(counts.items()))
+
+
+def bucket_percentile(counts: dict[float, float], q: float) -> float | None:
+    """The upper bound of the histogram bucket that holds the q-th percentile (cumulative counts as itl_buckets
+    gives them); None for an empty histogram."""
+    if not counts or not max(counts.values()) > 0:
+        return None
+    total = max(counts.values())
+    return next(bound for bound, cumulative in counts.items() if cumulative >= total * q / 100)
+
+
 def summarize_point(point: SweepPoint, records: list[RequestRecord], wall_s: float,
-                    gauges: list[tuple[float, float]]) -> dict:
-    """The numbers a point reports from its requests and the gauge samples (running, waiting)."""
+                    gauges: list[tuple[float, float]], engine_itl: dict[float, float] | None = None) -> dict:
+    """The numbers a point reports from its requests, the gauge samples (running, waiting) and the engine's
+    inter-token latency histogram over the point (cumulative counts per bucket bound)."""
     ok = [r for r in records if r.error is None]
     output_tokens = sum(r.output_tokens for r in ok)
     itl = [gap for r in ok for gap in r.itl_s]
@@ -157,6 +182,9 @@ def summarize_point(point: SweepPoint, records: list[RequestRecord], wall_s: flo
             "failed": len(errors), "first_error": errors[0] if errors else None, "wall_s": wall_s,
             "output_tokens": output_tokens, "output_tok_s": output_tokens / wall_s if wall_s > 0 else None,
             "request_s": len(ok) / wall_s if wall_s > 0 else None, **stats,
+            "engine_itl_count": max((engine_itl or {}).values(), default=None),
+            "engine_itl_p50_le_s": bucket_percentile(engine_itl or {}, 50),
+            "engine_itl_p99_le_s": bucket_percentile(engine_itl or {}, 99),
             "running_mean": sum(running) / len(running) if running else None,
             "running_max": max(running) if running else None,
             "waiting_max": max(waiting) if waiting else None}
@@ -224,6 +252,8 @@ async def run_point(base_url: str, point: SweepPoint, prompts: list[list[int]], 
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0, timeout=1800)
+    loop = asyncio.get_running_loop()
+    itl_before = itl_buckets(await loop.run_in_executor(None, _read_url, f"{base_url}/metrics"))
     gauges: list[tuple[float, float]] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample_gauges(f"{base_url}/metrics", gauges, stop))
@@ -248,7 +278,9 @@ async def run_point(base_url: str, point: SweepPoint, prompts: list[list[int]], 
     stop.set()
     await sampler
     await client.close()
-    return summarize_point(point, list(records), wall, gauges)
+    itl_after = itl_buckets(await loop.run_in_executor(None, _read_url, f"{base_url}/metrics"))
+    engine_itl = {bound: count - itl_before.get(bound, 0.0) for bound, count in itl_after.items()}
+    return summarize_point(point, list(records), wall, gauges, engine_itl)
 
 
 def free_port() -> int:
@@ -405,7 +437,8 @@ def describe_point(p: dict) -> str:
         return f"{p['label']}: skipped ({p['skipped']})"
     ms = lambda v: "-" if v is None else f"{v * 1e3:,.0f} ms"  # noqa: E731
     return (f"{p['label']:16s} {p['output_tok_s'] or 0:8,.0f} tok/s  TTFT p50 {ms(p['ttft_p50_s'])} p99 "
-            f"{ms(p['ttft_p99_s'])}  ITL p50 {ms(p['itl_p50_s'])} p99 {ms(p['itl_p99_s'])}  E2E p99 "
+            f"{ms(p['ttft_p99_s'])}  ITL p50 {ms(p['itl_p50_s'])} p99 {ms(p['itl_p99_s'])} (engine <= "
+            f"{ms(p.get('engine_itl_p99_le_s'))})  E2E p99 "
             f"{ms(p['e2e_p99_s'])}  running mean {p['running_mean'] or 0:.0f} max {p['running_max'] or 0:.0f}"
             + (f"  FAILED {p['failed']}: {p['first_error']}" if p["failed"] else ""))
 
@@ -426,11 +459,13 @@ def render_markdown(doc: dict) -> str:
         jit = "-" if compiled is None else ", ".join(f"`{name}`" for name in compiled) or "none"
         lines.append(f"| {run['label']} | {kv} | {start} | {jit} |")
     ms = lambda v: "-" if v is None else f"{v * 1e3:,.0f}"  # noqa: E731
+    bucket = lambda v: "-" if v is None else "> 80 s" if math.isinf(v) else f"<= {v * 1e3:,.0f}"  # noqa: E731
     for kind, title in (("rate", "request rate (Poisson arrivals)"), ("concurrency", "fixed concurrency")):
-        lines += ["", f"{title}: TTFT / ITL / E2E in ms", "",
-                  "| load | configuration | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | E2E p50 | E2E p99 "
-                  "| running mean / max | waiting max | failed |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"{title}: TTFT / ITL / E2E in ms (engine ITL p99: the bucket of vLLM's own histogram, timed "
+                  "where the engine emits each token, that holds the p99)", "",
+                  "| load | configuration | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | engine ITL p99 | "
+                  "E2E p50 | E2E p99 | running mean / max | waiting max | failed |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         values = sorted({p["value"] for run in doc["runs"] for p in run.get("points", []) if p["kind"] == kind})
         for value in values:
             for run in doc["runs"]:
@@ -438,11 +473,12 @@ def render_markdown(doc: dict) -> str:
                 if p is None:
                     continue
                 if p.get("skipped"):
-                    lines.append(f"| {p['label']} | {run['label']} | skipped: {p['skipped']} |" + " |" * 9)
+                    lines.append(f"| {p['label']} | {run['label']} | skipped: {p['skipped']} |" + " |" * 10)
                     continue
                 lines.append(
                     f"| {p['label']} | {run['label']} | {p['output_tok_s'] or 0:,.0f} | {ms(p['ttft_p50_s'])} | "
-                    f"{ms(p['ttft_p99_s'])} | {ms(p['itl_p50_s'])} | {ms(p['itl_p99_s'])} | {ms(p['e2e_p50_s'])} | "
+                    f"{ms(p['ttft_p99_s'])} | {ms(p['itl_p50_s'])} | {ms(p['itl_p99_s'])} | "
+                    f"{bucket(p.get('engine_itl_p99_le_s'))} | {ms(p['e2e_p50_s'])} | "
                     f"{ms(p['e2e_p99_s'])} | {p['running_mean'] or 0:.0f} / {p['running_max'] or 0:.0f} | "
                     f"{p['waiting_max'] or 0:.0f} | {p['failed']} |")
     sustained = sustained_rates(doc)

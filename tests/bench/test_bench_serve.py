@@ -48,10 +48,40 @@ def test_a_point_counts_only_finished_requests_and_samples_the_gauges():
     assert result["running_mean"] == 2.0 and result["running_max"] == 3 and result["waiting_max"] == 4
 
 
+METRICS_PAGE = """\
+# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="bench"} 9.5
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="bench"} 40.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.025",model_name="bench"} 90.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.05",model_name="bench"} 98.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.2",model_name="bench"} 100.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="bench"} 100.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="bench"} 100.0
+vllm:num_requests_running{engine="0",model_name="bench"} 3.0
+"""
+
+
+def test_the_engines_itl_percentiles_are_the_buckets_of_its_histogram_that_hold_them():
+    counts = bench_serve.itl_buckets(METRICS_PAGE)
+    assert counts == {0.01: 40.0, 0.025: 90.0, 0.05: 98.0, 0.2: 100.0, math.inf: 100.0}
+    assert bench_serve.bucket_percentile(counts, 50) == 0.025
+    assert bench_serve.bucket_percentile(counts, 99) == 0.2
+    assert bench_serve.bucket_percentile({0.01: 0.0, math.inf: 0.0}, 99) is None
+    # a point reports the histogram's growth over the point: 70 gaps, 2 of them over 50 ms
+    before = {0.01: 30.0, 0.025: 30.0, 0.05: 30.0, 0.2: 30.0, math.inf: 30.0}
+    over_point = {bound: counts[bound] - before[bound] for bound in counts}
+    result = bench_serve.summarize_point(SweepPoint("rate", 4.0, 1), [RequestRecord(ttft_s=0.1, e2e_s=0.2)], 1.0,
+                                         [], over_point)
+    assert result["engine_itl_count"] == 70
+    assert result["engine_itl_p50_le_s"] == 0.025 and result["engine_itl_p99_le_s"] == 0.2
+
+
 def _point(kind, value, ttft_p99, itl_p99=0.02, tok_s=100.0, failed=0):
     return {"kind": kind, "value": value, "label": SweepPoint(kind, value, 8).label, "requests": 8, "failed": failed,
             "output_tok_s": tok_s, "ttft_p50_s": ttft_p99 / 2, "ttft_p99_s": ttft_p99, "itl_p50_s": itl_p99 / 2,
-            "itl_p99_s": itl_p99, "e2e_p50_s": 1.0, "e2e_p99_s": 2.0, "running_mean": 3.0, "running_max": 5,
+            "itl_p99_s": itl_p99, "engine_itl_p99_le_s": 0.025, "e2e_p50_s": 1.0, "e2e_p99_s": 2.0,
+            "running_mean": 3.0, "running_max": 5,
             "waiting_max": 0}
 
 
@@ -98,7 +128,8 @@ def test_tables_and_plot_show_every_point_and_the_skipped_ones():
     table = bench_serve.render_markdown(doc)
     assert "| bf16 + FA3 | 107,824 | 80 s | none |" in table
     assert "| s4kv int4_kivi | 403,840 | 85 s | `_kivi_close_kernel`, `_gather_dense_kernel` |" in table
-    assert "| rate 8/s | s4kv int4_kivi | 100 | 950 | 1,900 | 15 | 30 | 1,000 | 2,000 | 3 / 5 | 0 | 0 |" in table
+    assert ("| rate 8/s | s4kv int4_kivi | 100 | 950 | 1,900 | 15 | 30 | <= 25 | 1,000 | 2,000 | 3 / 5 | 0 | 0 |"
+            in table)
     assert "| concurrency 16 | s4kv int4_kivi | skipped: time budget |" in table
     assert "highest request rate with p99 TTFT under 2 s: bf16 + FA3 2/s; s4kv int4_kivi 8/s" in table
     svg = bench_serve.render_svg(doc)
@@ -157,6 +188,8 @@ def test_real_openai_server_on_the_cpu_engine(tmp_path):
         assert point["output_tokens"] == 3 * 8  # ignore_eos + min_tokens: every token streamed and counted
         assert 0 < point["ttft_p50_s"] <= point["ttft_p99_s"] <= point["e2e_p99_s"]
         assert point["itl_p99_s"] is not None and point["itl_p50_s"] <= point["itl_p99_s"]
+        assert point["engine_itl_count"] == 3 * 7  # the engine's histogram saw the same gaps the client timed
+        assert point["engine_itl_p50_le_s"] <= point["engine_itl_p99_le_s"] < math.inf
         assert point["output_tok_s"] == pytest.approx(24 / point["wall_s"])
         assert math.isfinite(point["running_max"])
     assert (out / "serve.md").is_file() and 'class="series"' in (out / "serve.svg").read_text()
