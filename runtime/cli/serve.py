@@ -22,8 +22,9 @@ import sys
 from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_UNSUPPORTED
 from s4kv.runtime.plugin.api_key import MIDDLEWARE, configured_api_key
 from s4kv.runtime.plugin.config import ModelFacts, S4KVConfig, as_sentence, model_rejections, read_model_config
-from s4kv.runtime.schemes import (ATTENTION_BACKEND, CONFIG_KEY, DEFAULT_SCHEME, KV_CACHE_DTYPE, PREFILL_CAP_OPTION,
-                                  PREFILL_CAPPED_SCHEDULER, SAW_HADAMARD_BLOCKS, SCHEDULER_CONFIG_KEY, SCHEMES,
+from s4kv.runtime.schemes import (ATTENTION_BACKEND, CONFIG_KEY, DEFAULT_PREFILL_TOKENS_PER_STEP, DEFAULT_SCHEME,
+                                  KV_CACHE_DTYPE, PREFILL_CAP_OPTION, PREFILL_CAPPED_SCHEDULER, SAW_HADAMARD_BLOCKS,
+                                  SCHEDULER_CONFIG_KEY, SCHEMES,
                                   SERVED_SCHEMES)
 
 ACCEPTS_EXTRA_ARGS = True  # everything s4kv does not know goes to `vllm serve`
@@ -51,10 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder or Hugging Face id, as for `vllm serve`")
     add_scheme_arguments(parser, schemes=SERVED_SCHEMES)
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--prefill-tokens-per-step", type=int, default=None, metavar="TOKENS",
+    parser.add_argument("--prefill-tokens-per-step", type=int, default=DEFAULT_PREFILL_TOKENS_PER_STEP,
+                        metavar="TOKENS",
                         help="while requests decode, a step takes at most TOKENS prompt tokens (the plugin's "
-                             "scheduler: lower p99 inter-token latency under load, later first tokens in bursts); "
-                             "default: vLLM's scheduler")
+                             "scheduler, any KV format: lower p99 inter-token latency under load; default "
+                             f"{DEFAULT_PREFILL_TOKENS_PER_STEP}); 0 runs vLLM's own scheduler")
     parser.add_argument("--dry-run", action="store_true",
                         help="check every setting as the server would, print the vllm serve command and exit")
     parser.epilog = "Other arguments are passed to `vllm serve` unchanged."
@@ -94,12 +96,14 @@ def serve_flags(args: argparse.Namespace, api_key_set: bool) -> list[str]:
     elif args.hadamard_block is not None or args.rotate_values or args.allow_unsupported_model:
         raise ValueError("--hadamard-block, --rotate-values and --allow-unsupported-model are S4 KV options; "
                          "--scheme bf16 takes none of them.")
-    if args.prefill_tokens_per_step is not None:
-        if args.prefill_tokens_per_step < 1:
-            raise ValueError(f"--prefill-tokens-per-step must be a positive number of tokens, got "
-                             f"{args.prefill_tokens_per_step}.")
+    if args.prefill_tokens_per_step < 0:
+        raise ValueError(f"--prefill-tokens-per-step must be a number of tokens (0: vLLM's own scheduler), got "
+                         f"{args.prefill_tokens_per_step}.")
+    if args.prefill_tokens_per_step > 0:
         if any(_flag_name(arg) == "--scheduler-cls" for arg in extra):
-            raise ValueError("--prefill-tokens-per-step runs the plugin's scheduler; remove --scheduler-cls.")
+            raise ValueError(f"--scheduler-cls would replace the plugin's prefill-capped scheduler (on by default, "
+                             f"--prefill-tokens-per-step {args.prefill_tokens_per_step}); add "
+                             f"--prefill-tokens-per-step 0 to run your own.")
         flags += ["--scheduler-cls", PREFILL_CAPPED_SCHEDULER]
         additional_config[SCHEDULER_CONFIG_KEY] = {PREFILL_CAP_OPTION: args.prefill_tokens_per_step}
     if additional_config:

@@ -200,24 +200,30 @@ def test_serve_builds_the_vllm_command(tmp_path, capsys):
     assert '"scheme": "int4_saw", "hadamard_block": 64' in command
     assert command.endswith("--port 8123 --max-model-len 4096")
     assert "--middleware" not in command  # no key set: nothing to demand
-    code, out = serve_dry_run(capsys, good, "--scheme", "bf16")
+    code, out = serve_dry_run(capsys, good, "--scheme", "bf16", "--prefill-tokens-per-step", "0")
     assert code == EXIT_OK and f"vllm serve {good} --port 8000\n" in out, out
 
 
-def test_serve_with_a_prefill_cap_runs_the_plugins_scheduler_for_any_format(tmp_path, capsys):
+def test_serve_runs_the_plugins_prefill_capped_scheduler_for_any_format_unless_told_not_to(tmp_path, capsys):
     good = write_model_dir(tmp_path, "qwen", QWEN25_7B)
-    for scheme, s4kv in (("int4_kivi", {"scheme": "int4_kivi"}), ("bf16", None)):
-        code, out = serve_dry_run(capsys, good, "--scheme", scheme, "--prefill-tokens-per-step", "2048")
+    saw = {"scheme": "int4_saw", "rotate_values": False}
+    for scheme, s4kv, cap in (("int4_kivi", {"scheme": "int4_kivi"}, []), ("bf16", None, []),
+                              ("int4_saw", saw, ["--prefill-tokens-per-step", "4096"])):
+        code, out = serve_dry_run(capsys, good, "--scheme", scheme, *cap)
         assert code == EXIT_OK, out
         command = out.split("s4kv serve: ", 1)[1].splitlines()[0]
         assert "--scheduler-cls s4kv.runtime.plugin.scheduler.prefill_capped_scheduler" in command
         config = json.loads(command.split("--additional-config ", 1)[1].split(" --port")[0].strip("'"))
-        assert config == {"s4kv_scheduler": {"prefill_tokens_per_step": 2048}, **({"s4kv": s4kv} if s4kv else {})}
-    code, out = serve_dry_run(capsys, good, "--scheme", "int4_kivi", "--prefill-tokens-per-step", "0")
-    assert code == EXIT_BAD_INPUT and "must be a positive number of tokens" in refusal(out)
-    code, out = serve_dry_run(capsys, good, "--scheme", "int4_kivi", "--prefill-tokens-per-step", "64",
-                              "--scheduler_cls", "x.Y")
-    assert code == EXIT_BAD_INPUT and "remove --scheduler-cls" in refusal(out)
+        scheduler = {"prefill_tokens_per_step": int(cap[1]) if cap else 2048}
+        assert config == {"s4kv_scheduler": scheduler, **({"s4kv": s4kv} if s4kv else {})}
+    # 0: vLLM's own scheduler, and a scheduler of the user's own then goes through
+    code, out = serve_dry_run(capsys, good, "--scheme", "bf16", "--prefill-tokens-per-step", "0",
+                              "--scheduler-cls", "x.Y")
+    assert code == EXIT_OK and f"vllm serve {good} --port 8000 --scheduler-cls x.Y\n" in out, out
+    code, out = serve_dry_run(capsys, good, "--scheme", "int4_kivi", "--prefill-tokens-per-step", "-1")
+    assert code == EXIT_BAD_INPUT and "must be a number of tokens (0: vLLM's own scheduler)" in refusal(out)
+    code, out = serve_dry_run(capsys, good, "--scheme", "int4_kivi", "--scheduler_cls", "x.Y")
+    assert code == EXIT_BAD_INPUT and "add --prefill-tokens-per-step 0 to run your own" in refusal(out)
 
 
 def test_serve_with_a_key_loads_the_middleware_and_never_prints_the_key(tmp_path, capsys, monkeypatch):
