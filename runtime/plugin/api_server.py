@@ -24,8 +24,9 @@ from argparse import Namespace
 
 from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_ENGINE_DIED, EXIT_OK, EXIT_UNSUPPORTED
 from s4kv.runtime.plugin.config import S4KVConfigError, as_sentence, check_vllm_config
+from s4kv.runtime.plugin.scheduler import check_config as check_scheduler_config
 from s4kv.runtime.plugin.version import vllm_version_mismatch
-from s4kv.runtime.schemes import choose_model_runner
+from s4kv.runtime.schemes import PREFILL_CAPPED_SCHEDULER, choose_model_runner
 
 WATCHDOG_INTERVAL_S = 0.5
 
@@ -106,6 +107,8 @@ def precheck(args: Namespace) -> None:
     try:
         validate_parsed_serve_args(args)
         vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config(UsageContext.OPENAI_API_SERVER)
+        if vllm_config.scheduler_config.scheduler_cls == PREFILL_CAPPED_SCHEDULER:
+            check_scheduler_config(vllm_config)
     except ValidationError as err:
         message = _validation_message(err)
         if "max_model_len" in message:

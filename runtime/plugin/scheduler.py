@@ -39,6 +39,18 @@ def prefill_cap(additional_config: Any) -> int:
     return cap
 
 
+def check_config(vllm_config: Any) -> int:
+    """The cap, once the engine's config shows the scheduler can keep it (ValueError names what to change): without
+    chunked prefill vLLM stops admitting at a prompt longer than the step's budget, so such a prompt, and the queue
+    behind it, would wait until no request decodes."""
+    cap = prefill_cap(vllm_config.additional_config)
+    if not vllm_config.scheduler_config.enable_chunked_prefill:
+        raise ValueError(f"{QUALNAME} needs chunked prefill: without it a prompt longer than its cap ({cap} tokens) "
+                         f"waits, with every request behind it, until no request decodes; enable chunked prefill, or "
+                         f"run vLLM's own scheduler (s4kv serve --prefill-tokens-per-step 0)")
+    return cap
+
+
 def step_budget(full_budget: int, num_running: int, decoding: bool, cap: int) -> int:
     """A step's token budget: vLLM's full one, or where a running request decodes one token per running request
     (its decode, or a share of a chunked prompt's next chunk) plus the cap, never more than the full one."""
@@ -50,7 +62,7 @@ def _capped(base: type) -> type:
     class PrefillCapped(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.prefill_cap = prefill_cap(self.vllm_config.additional_config)
+            self.prefill_cap = check_config(self.vllm_config)
             self.full_step_budget = self.max_num_scheduled_tokens
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:

@@ -224,6 +224,14 @@ def test_serve_runs_the_plugins_prefill_capped_scheduler_for_any_format_unless_t
     assert code == EXIT_BAD_INPUT and "must be a number of tokens (0: vLLM's own scheduler)" in refusal(out)
     code, out = serve_dry_run(capsys, good, "--scheme", "int4_kivi", "--scheduler_cls", "x.Y")
     assert code == EXIT_BAD_INPUT and "add --prefill-tokens-per-step 0 to run your own" in refusal(out)
+    # without chunked prefill a prompt over the cap would hold the queue while requests decode: refused before the
+    # engine starts, unless vLLM's own scheduler runs
+    no_chunks = ("--max-model-len", "4096", "--no-enable-chunked-prefill")
+    code, out = serve_dry_run(capsys, good, "--scheme", "int4_kivi", *no_chunks)
+    assert code == EXIT_BAD_INPUT and "needs chunked prefill" in refusal(out)
+    assert "s4kv serve --prefill-tokens-per-step 0" in refusal(out)
+    code, out = serve_dry_run(capsys, good, "--scheme", "int4_kivi", "--prefill-tokens-per-step", "0", *no_chunks)
+    assert code == EXIT_OK, out
 
 
 def test_serve_with_a_key_loads_the_middleware_and_never_prints_the_key(tmp_path, capsys, monkeypatch):

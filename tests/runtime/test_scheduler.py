@@ -3,12 +3,13 @@ running with it: no step that decodes takes more than its cap of prompt tokens, 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 
 import pytest
 
 from engine_subprocess import run_engine_job
 
-from s4kv.runtime.plugin.scheduler import prefill_cap, step_budget
+from s4kv.runtime.plugin.scheduler import _capped, prefill_cap, step_budget
 
 
 
@@ -26,6 +27,23 @@ def test_a_missing_or_bad_cap_is_refused_with_the_option_to_set(config):
     with pytest.raises(ValueError, match=r'additional_config\["s4kv_scheduler"\]\["prefill_tokens_per_step"\]'):
         prefill_cap(config)
     assert prefill_cap({"s4kv_scheduler": {"prefill_tokens_per_step": 2048}, "s4kv": {"scheme": "int4_kivi"}}) == 2048
+
+
+def test_the_scheduler_refuses_an_engine_without_chunked_prefill():
+    """Without chunked prefill, vLLM admits no prompt longer than the step's budget: with the cap that budget is
+    small whenever a request decodes, so the scheduler would hold such a prompt and the queue behind it."""
+    class VllmScheduler:  # the part of vLLM's scheduler the cap reads
+        def __init__(self, vllm_config):
+            self.vllm_config = vllm_config
+            self.max_num_scheduled_tokens = 8192
+
+    def config(chunked):
+        return SimpleNamespace(additional_config={"s4kv_scheduler": {"prefill_tokens_per_step": 2048}},
+                               scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked))
+
+    assert _capped(VllmScheduler)(vllm_config=config(True)).prefill_cap == 2048
+    with pytest.raises(ValueError, match=r"needs chunked prefill: .* \(2048 tokens\)"):
+        _capped(VllmScheduler)(vllm_config=config(False))
 
 
 SCRIPT = """
