@@ -16,7 +16,8 @@ for prompts that arrive together. Enable it with
     --scheduler-cls s4kv.runtime.plugin.scheduler.prefill_capped_scheduler
     --additional-config '{"s4kv_scheduler": {"prefill_tokens_per_step": 2048}}'
 
-(the ``s4kv`` key of an int4 KV cache goes into the same object).
+(the ``s4kv`` key of an int4 KV cache goes into the same object); ``s4kv serve`` writes both, with a cap of
+2,048 unless ``--prefill-tokens-per-step`` says otherwise.
 """
 
 from __future__ import annotations
