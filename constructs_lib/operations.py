@@ -1,5 +1,5 @@
 """What an operator watches: a dashboard of the server's metrics and an alarm on its health, from what
-scripts/publish-metrics.py puts into CloudWatch every minute (namespace S4KV, dimension StackName)."""
+runtime/publish_metrics.py puts into CloudWatch every minute (namespace S4KV, dimension StackName)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ class ServerOperations(Construct):
     def __init__(self, scope: Construct, id: str) -> None:
         super().__init__(scope, id)
 
-        def metric(name: str, statistic: str = "Average") -> cloudwatch.Metric:
-            return cloudwatch.Metric(namespace=METRICS_NAMESPACE, metric_name=name, statistic=statistic,
+        def metric(name: str, statistic: str = "Average", label: str | None = None) -> cloudwatch.Metric:
+            return cloudwatch.Metric(namespace=METRICS_NAMESPACE, metric_name=name, statistic=statistic, label=label,
                                      dimensions_map={"StackName": Aws.STACK_NAME}, period=Duration.minutes(1))
 
         def rate_ratio(label: str, numerator: str, denominator: str) -> cloudwatch.MathExpression:
@@ -38,8 +38,11 @@ class ServerOperations(Construct):
             cloudwatch.GraphWidget(title="Generated tokens/s", width=8, left=[cloudwatch.MathExpression(
                 expression="RATE(t)", label="tokens/s", period=Duration.minutes(1),
                 using_metrics={"t": metric("GenerationTokens", "Maximum")})]),
-            cloudwatch.GraphWidget(title="Mean time to first token (s)", width=8,
-                                   left=[rate_ratio("TTFT", "TtftSecondsSum", "TtftSecondsCount")]),
-            cloudwatch.GraphWidget(title="Mean inter-token latency (s)", width=8,
-                                   left=[rate_ratio("ITL", "ItlSecondsSum", "ItlSecondsCount")]),
+            # p50 and p99 at the resolution of vLLM's histogram buckets (runtime/publish_metrics.py), the mean exact
+            cloudwatch.GraphWidget(title="Time to first token (s)", width=8,
+                                   left=[rate_ratio("mean", "TtftSecondsSum", "TtftSecondsCount"),
+                                         metric("TtftSeconds", "p50", "p50"), metric("TtftSeconds", "p99", "p99")]),
+            cloudwatch.GraphWidget(title="Inter-token latency (s)", width=8,
+                                   left=[rate_ratio("mean", "ItlSecondsSum", "ItlSecondsCount"),
+                                         metric("ItlSeconds", "p50", "p50"), metric("ItlSeconds", "p99", "p99")]),
         ]])

@@ -19,7 +19,7 @@ SESSION_MANAGER_ACTIONS = [
     "ssmmessages:OpenControlChannel",
     "ssmmessages:OpenDataChannel",
 ]
-METRICS_NAMESPACE = "S4KV"  # scripts/publish-metrics.py
+METRICS_NAMESPACE = "S4KV"  # runtime/publish_metrics.py
 LOG_ACTIONS = ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"]
 
 
@@ -36,7 +36,7 @@ class ServerRole(Construct):
             {"Sid": "OwnLogGroup", "Effect": "Allow", "Action": LOG_ACTIONS, "Resource": log_group_arn},
             {"Sid": "OwnSecrets", "Effect": "Allow", "Action": "secretsmanager:GetSecretValue",
              "Resource": secret_arns},
-            # scripts/publish-metrics.py; PutMetricData has no resource-level permission, the namespace condition
+            # runtime/publish_metrics.py; PutMetricData has no resource-level permission, the namespace condition
             # limits it to the S4KV namespace.
             {"Sid": "PublishS4kvMetrics", "Effect": "Allow", "Action": "cloudwatch:PutMetricData", "Resource": "*",
              "Condition": {"StringEquals": {"cloudwatch:namespace": METRICS_NAMESPACE}}},

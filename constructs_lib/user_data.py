@@ -7,7 +7,7 @@ User data, in order:
 4. scripts/logs.sh: the CloudWatch agent, before anything else can fail unseen;
 5. the DLAMI flavour only: scripts/install-runtime.sh (wheel + lock from S3), the launcher and the unit;
 6. scripts/boot.sh: start s4kv.service, wait for /health and one authenticated completion, start the metrics
-   timer (scripts/publish-metrics.py), signal SUCCESS.
+   timer (`python -m s4kv.runtime.publish_metrics`, from the wheel), signal SUCCESS.
 Neither the API key nor the Hugging Face token is in it: the server reads both from Secrets Manager when it
 starts (scripts/start-server.sh), and the readiness check reads the key into a shell variable only.
 
@@ -71,7 +71,6 @@ def install_script() -> str:
         + 'S4KV_REASON="writing the launcher and the systemd units"\n'
         + _write_file("/opt/s4kv/bin/start-server", script("start-server.sh"), "0755")
         + _write_file("/etc/systemd/system/s4kv.service", script("s4kv.service"), "0644")
-        + _write_file("/opt/s4kv/bin/publish-metrics.py", script("publish-metrics.py"), "0644")
         + _write_file("/etc/systemd/system/s4kv-metrics.service", script("s4kv-metrics.service"), "0644")
         + _write_file("/etc/systemd/system/s4kv-metrics.timer", script("s4kv-metrics.timer"), "0644")
     )

@@ -178,7 +178,8 @@ class GpuServingStack(Stack):
         param("AvailabilityZone", type="String", default="",
               description="Zone name for the instance (empty: the first zone of the region that offers the "
                           "instance type, by zone ID, from an offline snapshot of EC2's offerings)")
-        param("ExtraVllmArgs", type="String", default="", allowed_pattern=VLLM_ARGS_PATTERN,
+        # bounded so that the user data, with every parameter substituted, stays within EC2's 16 KB
+        param("ExtraVllmArgs", type="String", default="", allowed_pattern=VLLM_ARGS_PATTERN, max_length=512,
               description="More vLLM flags, e.g. --enable-prefix-caching (letters, digits, space and ._=,:/+- only)")
         if marketplace:
             param("ImageId", type="AWS::EC2::Image::Id",

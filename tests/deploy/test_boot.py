@@ -238,6 +238,7 @@ def booted(tmp_path_factory):
 def test_boot_installs_from_s3_starts_the_server_and_signals_success(booted):
     instance, log = booted["instance"], booted["instance"].log.read_text()
     assert booted["rc"] == 0, log[-4000:]
+    assert len(booted["user_data"].encode()) <= 16384  # EC2's limit, before base64 (moto does not enforce it)
     assert booted["signals"] == [{"Stack": "s4kv-boot", "LogicalResourceId": "ServerInstance",
                                   "UniqueId": booted["instance_id"], "Status": "SUCCESS"}]
     assert "s4kv: ready after" in log
@@ -269,21 +270,35 @@ def test_authenticated_completion_after_boot(booted):
         OpenAI(base_url=base, api_key="wrong-key").completions.create(model=MODEL_ID, prompt="hi", max_tokens=1)
 
 
-def test_metrics_reach_cloudwatch(booted):
-    """The timer's service, run once as the timer would: health and vLLM's metrics in moto's CloudWatch."""
+def test_metrics_reach_cloudwatch(booted, tmp_path):
+    """The timer's service, run as the timer would, twice around one more completion: health and vLLM's metrics in
+    moto's CloudWatch, and the second run's latency observations only those of that completion."""
+    from openai import OpenAI
+
     instance, moto = booted["instance"], booted["moto"]
     assert (instance.root / "timers.enabled").read_text().split() == ["s4kv-metrics.timer"]
-    env = {**instance.env, "S4KV_ENV_FILE": str(instance.root / "etc/s4kv/server.env")}
-    result = subprocess.run([str(instance.root / "opt/s4kv/venv/bin/python"),
-                             str(instance.root / "opt/s4kv/bin/publish-metrics.py")],
-                            env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    unit = (instance.root / "etc/systemd/system/s4kv-metrics.service").read_text()
+    assert "StateDirectory=s4kv-metrics" in unit
+    env = {**instance.env, "S4KV_ENV_FILE": str(instance.root / "etc/s4kv/server.env"),
+           "STATE_DIRECTORY": str(tmp_path)}
+
+    def publish() -> str:
+        result = subprocess.run([str(instance.root / "opt/s4kv/venv/bin/python"), "-m", "s4kv.runtime.publish_metrics"],
+                                env=env, capture_output=True, text=True, timeout=120, cwd=instance.root)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    first = publish()
+    assert "Healthy=1" in first and "GenerationTokens=" in first
+    OpenAI(base_url=f"http://127.0.0.1:{instance.port}/v1", api_key=KEY_VALUE).completions.create(
+        model=MODEL_ID, prompt="The capital of France is", max_tokens=6, temperature=0, extra_body={"min_tokens": 6})
+    second = publish()
+    assert "ItlSeconds: 5 new, TtftSeconds: 1 new" in second, second  # one request: five gaps, one first token
     cloudwatch = moto.client("cloudwatch")
     names = {m["MetricName"] for m in cloudwatch.list_metrics(Namespace="S4KV")["Metrics"]
              if m["Dimensions"] == [{"Name": "StackName", "Value": "s4kv-boot"}]}
     assert {"Healthy", "KvCacheUsage", "RequestsRunning", "RequestsWaiting", "GenerationTokens",
-            "TtftSecondsCount", "ItlSecondsCount"} <= names
-    assert "Healthy=1" in result.stdout and "GenerationTokens=" in result.stdout
+            "TtftSecondsCount", "ItlSecondsCount", "TtftSeconds", "ItlSeconds"} <= names
 
 
 def test_corrupted_wheel_signals_failure_with_the_reason_and_keeps_the_log(booted, tmp_path):

@@ -36,6 +36,18 @@ def _user_data_text(template: dict) -> str:
     return "".join(part if isinstance(part, str) else part["Fn::Sub"][0] for part in _user_data_parts(template))
 
 
+EC2_USER_DATA_LIMIT = 16384  # bytes before base64: EC2 refuses a launch template whose user data is larger
+SUBSTITUTED_RESERVE = 2048  # what the parameter values (model id, ARNs, flags up to ExtraVllmArgs' 512, hashes) add
+
+
+def test_the_user_data_fits_ec2s_limit_with_room_for_the_parameters(serving):
+    name, template = serving
+    size = len(_user_data_text(template).encode())
+    assert size <= EC2_USER_DATA_LIMIT - SUBSTITUTED_RESERVE, f"{name}: {size} bytes of user data before substitution"
+    extra = template["Parameters"]["ExtraVllmArgs"]
+    assert extra["MaxLength"] == 512
+
+
 def _user_data_variables(template: dict) -> dict:
     return next(part["Fn::Sub"][1] for part in _user_data_parts(template) if isinstance(part, dict))
 
