@@ -353,16 +353,18 @@ def restarts_after(status: int) -> bool:
     return status not in prevented
 
 
-def test_the_unit_file_is_valid_for_systemd(tmp_path):
+@pytest.mark.parametrize("unit", ["s4kv.service", "s4kv-metrics.service", "s4kv-metrics.timer"])
+def test_the_unit_files_are_valid_for_systemd(tmp_path, unit):
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not installed")
     # verify needs the ExecStart binary and the user to exist here: only those two lines change.
-    text = UNIT.read_text()
-    text = re.sub(r"^ExecStart=.*$", f"ExecStart={shutil.which('true')}", text, flags=re.M)
-    text = re.sub(r"^User=.*$", "User=root", text, flags=re.M)
-    (tmp_path / "s4kv.service").write_text(text)
-    done = subprocess.run([analyze, "verify", str(tmp_path / "s4kv.service")], capture_output=True, text=True)
+    for name in ("s4kv.service", "s4kv-metrics.service", "s4kv-metrics.timer"):  # the timer names its service
+        text = (UNIT.parent / name).read_text()
+        text = re.sub(r"^ExecStart=.*$", f"ExecStart={shutil.which('true')}", text, flags=re.M)
+        text = re.sub(r"^User=.*$", "User=root", text, flags=re.M)
+        (tmp_path / name).write_text(text)
+    done = subprocess.run([analyze, "verify", str(tmp_path / unit)], capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
 
 
