@@ -16,6 +16,7 @@ restart (counts that fell) starts the differences afresh. The API key is sent on
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,6 +26,8 @@ import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from s4kv.runtime.vllm_metrics import histogram_buckets, largest_finite_bound
 
 NAMESPACE = "S4KV"
 GAUGES = {"vllm:num_requests_running": "RequestsRunning", "vllm:num_requests_waiting": "RequestsWaiting"}
@@ -61,35 +64,18 @@ def get(url: str, key: str) -> tuple[int, str]:
         return 0, ""
 
 
-def cumulative_buckets(text: str) -> dict[str, dict[str, float]]:
-    """Per published name, the histogram's cumulative count per bucket bound (the "le" label, "+Inf" last), summed
-    over the data-parallel engines."""
-    buckets: dict[str, dict[str, float]] = {name: {} for name in HISTOGRAMS.values()}
-    for family in text_string_to_metric_families(text):
-        name = HISTOGRAMS.get(family.name)
-        if name is None:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_bucket"):
-                bound = sample.labels["le"]
-                buckets[name][bound] = buckets[name].get(bound, 0.0) + sample.value
-    return buckets
-
-
-def new_observations(now: dict[str, float], before: dict[str, float]) -> tuple[list[float], list[float]]:
-    """The observations between two readings of one cumulative histogram, as CloudWatch Values and Counts: each
-    bucket's new count at its upper bound (the last finite bound for "+Inf"). Counts that fell mean the server
-    restarted: everything in ``now`` is new."""
+def new_observations(now: dict[float, float], before: dict[float, float]) -> tuple[list[float], list[float]]:
+    """The observations between two readings of one cumulative histogram (vllm_metrics.histogram_buckets), as
+    CloudWatch Values and Counts: each bucket's new count at its upper bound (the last finite bound for inf).
+    Counts that fell mean the server restarted: everything in ``now`` is new."""
     if any(now.get(bound, 0.0) < count for bound, count in before.items()):
         before = {}
-    bounds = sorted(now, key=float)
-    largest_finite = max((float(b) for b in bounds if b != "+Inf"), default=0.0)
     values, counts, below_now, below_before = [], [], 0.0, 0.0
-    for bound in bounds:
-        in_bucket = (now[bound] - below_now) - (before.get(bound, 0.0) - below_before)
-        below_now, below_before = now[bound], before.get(bound, 0.0)
+    for bound, cumulative in sorted(now.items()):
+        in_bucket = (cumulative - below_now) - (before.get(bound, 0.0) - below_before)
+        below_now, below_before = cumulative, before.get(bound, 0.0)
         if in_bucket > 0:
-            values.append(largest_finite if bound == "+Inf" else float(bound))
+            values.append(largest_finite_bound(now) if math.isinf(bound) else bound)
             counts.append(in_bucket)
     return values, counts
 
@@ -121,14 +107,16 @@ def main() -> int:
     buckets = {}
     if status == 200:
         values.update(metrics_from(text))
-        buckets = cumulative_buckets(text)
+        buckets = {name: histogram_buckets(text, family) for family, name in HISTOGRAMS.items()}
     state_dir = os.environ.get("STATE_DIRECTORY")
     if buckets and not state_dir:
         print("STATE_DIRECTORY is not set (the unit's StateDirectory= sets it): TtftSeconds and ItlSeconds are not "
               "published", file=sys.stderr)
         buckets = {}
     state = Path(state_dir) / STATE_FILE if buckets else None
-    before = json.loads(state.read_text()) if state and state.is_file() else {}
+    # JSON keys are strings: the state holds [bound, count] pairs (inf as Infinity, which json reads back)
+    before = ({name: dict(map(tuple, pairs)) for name, pairs in json.loads(state.read_text()).items()}
+              if state and state.is_file() else {})
     dimensions = [{"Name": "StackName", "Value": settings["S4KV_STACK_NAME"]}]
     data = [{"MetricName": name, "Dimensions": dimensions, "Value": value,
              "Unit": "Count" if name not in ("KvCacheUsage", "TtftSecondsSum", "ItlSecondsSum") else "None"}
@@ -146,7 +134,7 @@ def main() -> int:
         aws("cloudwatch", "put-metric-data", "--region", region, "--namespace", NAMESPACE,
             "--metric-data", f"file://{payload.name}")
     if state:
-        state.write_text(json.dumps(buckets))
+        state.write_text(json.dumps({name: sorted(counts.items()) for name, counts in buckets.items()}))
     print(f"published {', '.join(f'{k}={v:g}' for k, v in sorted(values.items()))}"
           + "".join(f", {name}: {count:g} new" for name, count in observed.items()))
     return 0

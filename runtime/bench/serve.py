@@ -45,6 +45,7 @@ from s4kv.runtime.cli.demo import wait_until_healthy
 from s4kv.runtime.schemes import (PREFILL_CAP_OPTION, PREFILL_CAPPED_SCHEDULER, SCHEDULER_CONFIG_KEY,
                                  choose_model_runner)
 from s4kv.runtime.sizing import model_shapes
+from s4kv.runtime.vllm_metrics import bucket_percentile, histogram_buckets
 
 from . import report as bench_report
 from .matrix import FORMATS, KVFormat, parse_names
@@ -57,8 +58,7 @@ METRICS_PERIOD_S = 0.5
 GAUGE_LINE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 # the engine's own inter-token latency histogram: gaps between the engine core's output timestamps of a request, so
 # free of the HTTP stream's and this client's delays (vLLM's buckets: 10, 25, 50, 75, 100, 150, 200, 300 ms, ...)
-ITL_BUCKET_LINE = re.compile(r'^vllm:inter_token_latency_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\}\s+([0-9.eE+-]+)$',
-                             re.M)
+ENGINE_ITL_FAMILY = "vllm:inter_token_latency_seconds"
 TTFT_TARGET_S = 2.0  # a rate is sustained while p99 TTFT stays under this
 MIN_CONFIG_S = 150  # a 7B server's start on the H200 plus one sweep point: less left, the configuration is skipped
 # a server's GPU memory beyond its weights and its fixed KV cache: the CUDA context, CUDA graphs (0.4-0.6 GiB for an
@@ -143,24 +143,6 @@ def percentile(values: list[float], q: float) -> float | None:
     pos = (len(ordered) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def itl_buckets(metrics_text: str) -> dict[float, float]:
-    """vLLM's inter-token latency histogram from a /metrics page: cumulative count per upper bound (seconds, inf
-    last), summed over its label sets (one per engine)."""
-    counts: dict[float, float] = {}
-    for bound, value in ITL_BUCKET_LINE.findall(metrics_text):
-        counts[float(bound)] = counts.get(float(bound), 0.0) + float(value)
-    return dict(sorted(counts.items()))
-
-
-def bucket_percentile(counts: dict[float, float], q: float) -> float | None:
-    """The upper bound of the histogram bucket that holds the q-th percentile (cumulative counts as itl_buckets
-    gives them); None for an empty histogram."""
-    if not counts or not max(counts.values()) > 0:
-        return None
-    total = max(counts.values())
-    return next(bound for bound, cumulative in counts.items() if cumulative >= total * q / 100)
 
 
 def summarize_point(point: SweepPoint, records: list[RequestRecord], wall_s: float,
@@ -253,7 +235,8 @@ async def run_point(base_url: str, point: SweepPoint, prompts: list[list[int]], 
 
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0, timeout=1800)
     loop = asyncio.get_running_loop()
-    itl_before = itl_buckets(await loop.run_in_executor(None, _read_url, f"{base_url}/metrics"))
+    itl_before = histogram_buckets(await loop.run_in_executor(None, _read_url, f"{base_url}/metrics"),
+                                   ENGINE_ITL_FAMILY)
     gauges: list[tuple[float, float]] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample_gauges(f"{base_url}/metrics", gauges, stop))
@@ -278,7 +261,8 @@ async def run_point(base_url: str, point: SweepPoint, prompts: list[list[int]], 
     stop.set()
     await sampler
     await client.close()
-    itl_after = itl_buckets(await loop.run_in_executor(None, _read_url, f"{base_url}/metrics"))
+    itl_after = histogram_buckets(await loop.run_in_executor(None, _read_url, f"{base_url}/metrics"),
+                                  ENGINE_ITL_FAMILY)
     engine_itl = {bound: count - itl_before.get(bound, 0.0) for bound, count in itl_after.items()}
     return summarize_point(point, list(records), wall, gauges, engine_itl)
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from s4kv.runtime import cli
+from s4kv.runtime import cli, vllm_metrics
 from s4kv.runtime.bench import report as bench_report
 from s4kv.runtime.bench import serve as bench_serve
 from s4kv.runtime.bench.serve import RequestRecord, SweepPoint
@@ -63,11 +63,11 @@ vllm:num_requests_running{engine="0",model_name="bench"} 3.0
 
 
 def test_the_engines_itl_percentiles_are_the_buckets_of_its_histogram_that_hold_them():
-    counts = bench_serve.itl_buckets(METRICS_PAGE)
+    counts = vllm_metrics.histogram_buckets(METRICS_PAGE, "vllm:inter_token_latency_seconds")
     assert counts == {0.01: 40.0, 0.025: 90.0, 0.05: 98.0, 0.2: 100.0, math.inf: 100.0}
-    assert bench_serve.bucket_percentile(counts, 50) == 0.025
-    assert bench_serve.bucket_percentile(counts, 99) == 0.2
-    assert bench_serve.bucket_percentile({0.01: 0.0, math.inf: 0.0}, 99) is None
+    assert vllm_metrics.bucket_percentile(counts, 50) == 0.025
+    assert vllm_metrics.bucket_percentile(counts, 99) == 0.2
+    assert vllm_metrics.bucket_percentile({0.01: 0.0, math.inf: 0.0}, 99) is None
     # a point reports the histogram's growth over the point: 70 gaps, 2 of them over 50 ms
     before = {0.01: 30.0, 0.025: 30.0, 0.05: 30.0, 0.2: 30.0, math.inf: 30.0}
     over_point = {bound: counts[bound] - before[bound] for bound in counts}

@@ -3,10 +3,12 @@ CloudWatch value/count pairs (the whole publisher against a real server and moto
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytest.importorskip("prometheus_client")
-from s4kv.runtime import publish_metrics  # noqa: E402
+from s4kv.runtime import publish_metrics, vllm_metrics  # noqa: E402
 
 PAGE = """\
 # HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
@@ -28,16 +30,17 @@ vllm:num_requests_running{engine="0",model_name="m"} 2.0
 
 
 def test_the_histograms_are_read_per_bound_summed_over_engines():
-    buckets = publish_metrics.cumulative_buckets(PAGE)
-    assert buckets == {"TtftSeconds": {}, "ItlSeconds": {"0.01": 5.0, "0.05": 10.0, "+Inf": 11.0}}
+    assert vllm_metrics.histogram_buckets(PAGE, "vllm:inter_token_latency_seconds") == {
+        0.01: 5.0, 0.05: 10.0, math.inf: 11.0}
+    assert vllm_metrics.histogram_buckets(PAGE, "vllm:time_to_first_token_seconds") == {}
 
 
 def test_new_observations_are_each_buckets_growth_at_its_upper_bound():
-    now = {"0.01": 5.0, "0.05": 10.0, "+Inf": 11.0}
-    assert publish_metrics.new_observations(now, {}) == ([0.01, 0.05, 0.05], [5.0, 5.0, 1.0])  # +Inf: last bound
+    now = {0.01: 5.0, 0.05: 10.0, math.inf: 11.0}
+    assert publish_metrics.new_observations(now, {}) == ([0.01, 0.05, 0.05], [5.0, 5.0, 1.0])  # inf: last bound
     # since a reading of 3 gaps under 10 ms, 1 more under 50 and 1 over: 2 + 4 new, none over 50 ms
-    assert publish_metrics.new_observations(now, {"0.01": 3.0, "0.05": 4.0, "+Inf": 5.0}) == ([0.01, 0.05], [2.0, 4.0])
+    assert publish_metrics.new_observations(now, {0.01: 3.0, 0.05: 4.0, math.inf: 5.0}) == ([0.01, 0.05], [2.0, 4.0])
     assert publish_metrics.new_observations(now, now) == ([], [])
     # counts that fell: the server restarted, so everything it counted is new
-    restarted = {"0.01": 1.0, "0.05": 1.0, "+Inf": 1.0}
+    restarted = {0.01: 1.0, 0.05: 1.0, math.inf: 1.0}
     assert publish_metrics.new_observations(restarted, now) == ([0.01], [1.0])
