@@ -57,6 +57,11 @@ PREFILL_CAP_OPTION = "prefill_tokens_per_step"
 DEFAULT_PREFILL_TOKENS_PER_STEP = 2048
 
 
+def prefill_capped_scheduler_settings(cap: int) -> tuple[list[str], dict[str, Any]]:
+    """The vLLM flags and the additional_config entry that run the prefill-capped scheduler with ``cap``."""
+    return ["--scheduler-cls", PREFILL_CAPPED_SCHEDULER], {SCHEDULER_CONFIG_KEY: {PREFILL_CAP_OPTION: cap}}
+
+
 def choose_model_runner(additional_config: Any, environ: MutableMapping[str, str] = os.environ) -> None:
     """Select vLLM's V1 model runner in ``environ`` (a vLLM process's environment) for int4_kivi, whose staging slots
     follow that runner (kernels/staging.py); vLLM 0.26 picks its V2 runner by default for dense models. Call before

@@ -42,8 +42,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from s4kv.runtime.cli.demo import wait_until_healthy
-from s4kv.runtime.schemes import (PREFILL_CAP_OPTION, PREFILL_CAPPED_SCHEDULER, SCHEDULER_CONFIG_KEY,
-                                 choose_model_runner)
+from s4kv.runtime.schemes import choose_model_runner, prefill_capped_scheduler_settings
 from s4kv.runtime.sizing import model_shapes
 from s4kv.runtime.vllm_metrics import bucket_percentile, histogram_buckets
 
@@ -286,8 +285,9 @@ def server_command(fmt: KVFormat, model_dir: Path, port: int, args: argparse.Nam
         command += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     additional_config = dict(fmt.additional_config or {})
     if args.prefill_tokens_per_step is not None:
-        additional_config[SCHEDULER_CONFIG_KEY] = {PREFILL_CAP_OPTION: args.prefill_tokens_per_step}
-        command += ["--scheduler-cls", PREFILL_CAPPED_SCHEDULER]
+        scheduler_flags, scheduler_config = prefill_capped_scheduler_settings(args.prefill_tokens_per_step)
+        command += scheduler_flags
+        additional_config.update(scheduler_config)
     if additional_config:
         command += ["--additional-config", json.dumps(additional_config)]
     return command + list(args.server_arg)

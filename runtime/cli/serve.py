@@ -23,9 +23,8 @@ from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_UNSUPPORTED
 from s4kv.runtime.plugin.api_key import MIDDLEWARE, configured_api_key
 from s4kv.runtime.plugin.config import ModelFacts, S4KVConfig, as_sentence, model_rejections, read_model_config
 from s4kv.runtime.schemes import (ATTENTION_BACKEND, CONFIG_KEY, DEFAULT_PREFILL_TOKENS_PER_STEP, DEFAULT_SCHEME,
-                                  KV_CACHE_DTYPE, PREFILL_CAP_OPTION, PREFILL_CAPPED_SCHEDULER, SAW_HADAMARD_BLOCKS,
-                                  SCHEDULER_CONFIG_KEY, SCHEMES,
-                                  SERVED_SCHEMES)
+                                  KV_CACHE_DTYPE, SAW_HADAMARD_BLOCKS, SCHEMES, SERVED_SCHEMES,
+                                  prefill_capped_scheduler_settings)
 
 ACCEPTS_EXTRA_ARGS = True  # everything s4kv does not know goes to `vllm serve`
 BF16 = "bf16"  # vLLM's own KV cache, no S4 KV: the baseline served the same way
@@ -104,8 +103,9 @@ def serve_flags(args: argparse.Namespace, api_key_set: bool) -> list[str]:
             raise ValueError(f"--scheduler-cls would replace the plugin's prefill-capped scheduler (on by default, "
                              f"--prefill-tokens-per-step {args.prefill_tokens_per_step}); add "
                              f"--prefill-tokens-per-step 0 to run your own.")
-        flags += ["--scheduler-cls", PREFILL_CAPPED_SCHEDULER]
-        additional_config[SCHEDULER_CONFIG_KEY] = {PREFILL_CAP_OPTION: args.prefill_tokens_per_step}
+        scheduler_flags, scheduler_config = prefill_capped_scheduler_settings(args.prefill_tokens_per_step)
+        flags += scheduler_flags
+        additional_config.update(scheduler_config)
     if additional_config:
         flags += ["--additional-config", json.dumps(additional_config)]
     if api_key_set:
