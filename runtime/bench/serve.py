@@ -2,7 +2,8 @@
 
 For every selected configuration (runtime/bench/matrix.py's FORMATS) one server process starts (vLLM's
 ``vllm.entrypoints.openai.api_server``, dummy weights from a config.json, no tokenizer: prompts are token ids), a
-few warm-up requests run, then two sweeps drive it through the official ``openai`` client, streaming:
+few warm-up requests run, then two sweeps drive it through the official ``openai`` client, streaming, from
+``--client-processes`` processes (each its own event loop, so that parsing the chunks keeps up with the server):
 
 * request rate: Poisson arrivals at each rate of ``--rates`` (requests per second);
 * fixed concurrency: each count of ``--concurrency`` requests kept in flight.
@@ -17,7 +18,8 @@ gives the KV capacity. Output: ``serve.json`` (every point of every configuratio
 ``serve.md`` (tables) and ``serve.svg`` (p99 ITL and p99 TTFT against the request rate, output tokens/s against
 concurrency).
 
-This process imports neither torch nor vLLM; ``openai`` is imported when a point runs.
+This process imports neither torch nor vLLM, nor ``openai``: only the client processes do. Each point also reports
+how late the clients' event loops woke (their p99): a timed gap includes that delay.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import asyncio
 import datetime
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -34,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -54,6 +58,8 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 SERVE_FORMATS = ("bf16_fa3", "fp8_fa3", "s4kv_kivi", "s4kv_saw")
 WARMUP_REQUESTS = 4
 METRICS_PERIOD_S = 0.5
+LOOP_LAG_PERIOD_S = 0.005
+CLIENT_START_S = 60  # a client process's start: spawn, import openai
 GAUGE_LINE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 # the engine's own inter-token latency histogram: gaps between the engine core's output timestamps of a request, so
 # free of the HTTP stream's and this client's delays (vLLM's buckets: 10, 25, 50, 75, 100, 150, 200, 300 ms, ...)
@@ -89,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefill-tokens-per-step", type=int, default=None, metavar="TOKENS",
                        help="every server with the plugin's prefill-capped scheduler: while requests decode, a step "
                             "takes at most TOKENS prompt tokens (runtime/plugin/scheduler.py); default: vLLM's")
+    group.add_argument("--client-processes", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
+                       help="client processes the streams are spread over, each with its own event loop and "
+                            "openai client (default: 4, at most the CPU count): one process parsing every streamed "
+                            "chunk falls behind at a few thousand tokens/s, which its loop lag column shows")
     group.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                        help="one more argument for the server (repeat; e.g. the CPU engine's settings)")
 
@@ -145,9 +155,11 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize_point(point: SweepPoint, records: list[RequestRecord], wall_s: float,
-                    gauges: list[tuple[float, float]], engine_itl: dict[float, float] | None = None) -> dict:
-    """The numbers a point reports from its requests, the gauge samples (running, waiting) and the engine's
-    inter-token latency histogram over the point (cumulative counts per bucket bound)."""
+                    gauges: list[tuple[float, float]], engine_itl: dict[float, float] | None = None,
+                    loop_lags: list[float] | None = None) -> dict:
+    """The numbers a point reports from its requests, the gauge samples (running, waiting), the engine's
+    inter-token latency histogram over the point (cumulative counts per bucket bound) and this client's event-loop
+    lags."""
     ok = [r for r in records if r.error is None]
     output_tokens = sum(r.output_tokens for r in ok)
     itl = [gap for r in ok for gap in r.itl_s]
@@ -166,6 +178,7 @@ def summarize_point(point: SweepPoint, records: list[RequestRecord], wall_s: flo
             "engine_itl_count": max((engine_itl or {}).values(), default=None),
             "engine_itl_p50_le_s": bucket_percentile(engine_itl or {}, 50),
             "engine_itl_p99_le_s": bucket_percentile(engine_itl or {}, 99),
+            "client_lag_p99_s": percentile(loop_lags or [], 99),
             "running_mean": sum(running) / len(running) if running else None,
             "running_max": max(running) if running else None,
             "waiting_max": max(waiting) if waiting else None}
@@ -182,10 +195,13 @@ async def _stream_one(client, prompt: list[int], output_len: int) -> RequestReco
     start = time.perf_counter()
     last = start
     try:
+        # the token ids travel in extra_body, which the client sends as is: as `prompt=` the client's parameter
+        # transform walks every id (about 15 ms of CPU for 2,048 ids), stalling the event loop that every open
+        # stream's timing shares, once per request sent
         stream = await client.completions.create(
-            model=SERVED_NAME, prompt=prompt, max_tokens=output_len, temperature=0.0, stream=True,
+            model=SERVED_NAME, prompt=[], max_tokens=output_len, temperature=0.0, stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "min_tokens": output_len, "return_token_ids": True})
+            extra_body={"prompt": prompt, "ignore_eos": True, "min_tokens": output_len, "return_token_ids": True})
         async for chunk in stream:
             now = time.perf_counter()
             tokens = sum(len(choice.token_ids or []) for choice in chunk.choices) if chunk.choices else 0
@@ -205,8 +221,12 @@ async def _stream_one(client, prompt: list[int], output_len: int) -> RequestReco
     return record
 
 
-async def _sample_gauges(metrics_url: str, samples: list[tuple[float, float]], stop: asyncio.Event) -> None:
+async def _sample_gauges(metrics_url: str, samples: list[tuple[float, float]], started: threading.Event,
+                         stop: asyncio.Event) -> None:
+    """(running, waiting) every METRICS_PERIOD_S from the clients' start (not their spawn) until stopped."""
     loop = asyncio.get_running_loop()
+    while not started.is_set() and not stop.is_set():
+        await asyncio.sleep(0.01)
     while not stop.is_set():
         try:
             text = await loop.run_in_executor(None, _read_url, metrics_url)
@@ -222,48 +242,142 @@ async def _sample_gauges(metrics_url: str, samples: list[tuple[float, float]], s
             pass
 
 
+async def _sample_loop_lag(lags: list[float], stop: asyncio.Event) -> None:
+    """How late this client's event loop wakes a LOOP_LAG_PERIOD_S sleep: a stream's chunk waits as long to be
+    timed, so a lag near the ITL says the client, not the server, made the gap."""
+    while not stop.is_set():
+        start = time.perf_counter()
+        await asyncio.sleep(LOOP_LAG_PERIOD_S)
+        lags.append(max(0.0, time.perf_counter() - start - LOOP_LAG_PERIOD_S))
+
+
 def _read_url(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as response:
         return response.read().decode()
 
 
-async def run_point(base_url: str, point: SweepPoint, prompts: list[list[int]], output_len: int,
-                    seed: int) -> dict:
-    """Drive the server at one load level; returns summarize_point's numbers."""
+@dataclass(frozen=True)
+class ClientShare:
+    """One client process's part of a point: which requests (indices into the point's prompts), when each is sent
+    (seconds after the common start; None: as soon as an in-flight slot frees) and how many it keeps in flight
+    (None: no limit)."""
+
+    indices: tuple[int, ...]
+    offsets: tuple[float, ...] | None
+    in_flight: int | None
+
+
+def client_shares(point: SweepPoint, processes: int, seed: int) -> list[ClientShare]:
+    """Split a point's requests over client processes, round robin. A rate point keeps one Poisson schedule for
+    all of them (the first request at 0), each request sent by its process at its time; a concurrency point gives
+    each process an even share of the in-flight count (at most one process per slot)."""
+    n = point.num_requests
+    if point.kind == "rate":
+        rng = random.Random(seed)
+        offsets, t = [], 0.0
+        for _ in range(n):
+            offsets.append(t)
+            t += 0.0 if math.isinf(point.value) else rng.expovariate(point.value)
+        return [ClientShare(tuple(range(w, n, processes)), tuple(offsets[w::processes]), None)
+                for w in range(min(processes, n))]
+    slots = int(point.value)
+    used = min(processes, slots, n)
+    return [ClientShare(tuple(range(w, n, used)), None, slots // used + (1 if w < slots % used else 0))
+            for w in range(used)]
+
+
+def _client_process(conn, base_url: str, prompts: list[list[int]], share: ClientShare, output_len: int) -> None:
+    """A client process: its own event loop and openai client; reports ready, waits for the common start time
+    (time.monotonic(), shared by the processes of one machine), streams its share and sends back its records,
+    its event-loop lags and when it finished."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0, timeout=1800)
+    async def main() -> None:
+        client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0, timeout=1800)
+        client.completions  # noqa: B018  # its lazy import (about 0.5 s) before the start, not inside the point
+        conn.send("ready")
+        start = conn.recv()
+        lags: list[float] = []
+        stop = asyncio.Event()
+        lag_sampler = asyncio.create_task(_sample_loop_lag(lags, stop))
+        limit = asyncio.Semaphore(share.in_flight) if share.in_flight else None
+
+        async def send(offset: float | None, prompt: list[int]) -> RequestRecord:
+            if offset is not None:
+                await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+            if limit is None:
+                return await _stream_one(client, prompt, output_len)
+            async with limit:
+                return await _stream_one(client, prompt, output_len)
+
+        offsets = share.offsets or (None,) * len(share.indices)
+        records = await asyncio.gather(*(send(o, prompts[i]) for o, i in zip(offsets, share.indices)))
+        finished = time.monotonic()
+        stop.set()
+        await lag_sampler
+        await client.close()
+        conn.send(([asdict(r) for r in records], lags, finished))
+
+    asyncio.run(main())
+
+
+def drive_clients(base_url: str, point: SweepPoint, prompts: list[list[int]], output_len: int, seed: int,
+                  processes: int, started: threading.Event | None = None
+                  ) -> tuple[list[RequestRecord], list[float], float, float]:
+    """Run one point from ``processes`` client processes (spawned, so no state of this one is inherited; ``started``
+    is set when they are sent the start); returns every request's record, every process's event-loop lags, and when
+    the point started and ended (time.monotonic())."""
+    ctx = multiprocessing.get_context("spawn")
+    shares = client_shares(point, processes, seed)
+    links, workers = [], []
+    try:
+        for share in shares:
+            parent, child = ctx.Pipe()
+            worker = ctx.Process(target=_client_process, args=(child, base_url, prompts, share, output_len),
+                                 daemon=True)
+            worker.start()
+            child.close()
+            links.append(parent)
+            workers.append(worker)
+        for link in links:
+            if not link.poll(CLIENT_START_S) or link.recv() != "ready":
+                raise RuntimeError(f"a client process did not start within {CLIENT_START_S} s")
+        start = time.monotonic() + 0.05
+        for link in links:
+            link.send(start)
+        if started is not None:
+            started.set()
+        results = [link.recv() for link in links]  # EOFError if a client process died
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+    records = [RequestRecord(**r) for done, _, _ in results for r in done]
+    lags = [lag for _, process_lags, _ in results for lag in process_lags]
+    return records, lags, start, max(finished for _, _, finished in results)
+
+
+async def run_point(base_url: str, point: SweepPoint, prompts: list[list[int]], output_len: int, seed: int,
+                    client_processes: int) -> dict:
+    """Drive the server at one load level from ``client_processes`` processes; returns summarize_point's
+    numbers."""
     loop = asyncio.get_running_loop()
     itl_before = histogram_buckets(await loop.run_in_executor(None, _read_url, f"{base_url}/metrics"),
                                    ENGINE_ITL_FAMILY)
     gauges: list[tuple[float, float]] = []
-    stop = asyncio.Event()
-    sampler = asyncio.create_task(_sample_gauges(f"{base_url}/metrics", gauges, stop))
-    start = time.perf_counter()
-    if point.kind == "rate":
-        rng = random.Random(seed)
-        tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(_stream_one(client, prompt, output_len)))
-            if not math.isinf(point.value):
-                await asyncio.sleep(rng.expovariate(point.value))
-        records = await asyncio.gather(*tasks)
-    else:
-        limit = asyncio.Semaphore(int(point.value))
-
-        async def bounded(prompt):
-            async with limit:
-                return await _stream_one(client, prompt, output_len)
-
-        records = await asyncio.gather(*(bounded(p) for p in prompts))
-    wall = time.perf_counter() - start
-    stop.set()
-    await sampler
-    await client.close()
+    started, stop = threading.Event(), asyncio.Event()
+    sampler = asyncio.create_task(_sample_gauges(f"{base_url}/metrics", gauges, started, stop))
+    try:
+        records, lags, start, end = await loop.run_in_executor(
+            None, drive_clients, base_url, point, prompts, output_len, seed, client_processes, started)
+    finally:
+        stop.set()
+        await sampler
     itl_after = histogram_buckets(await loop.run_in_executor(None, _read_url, f"{base_url}/metrics"),
                                   ENGINE_ITL_FAMILY)
     engine_itl = {bound: count - itl_before.get(bound, 0.0) for bound, count in itl_after.items()}
-    return summarize_point(point, list(records), wall, gauges, engine_itl)
+    return summarize_point(point, records, end - start, gauges, engine_itl, lags)
 
 
 def free_port() -> int:
@@ -382,7 +496,8 @@ def sweep(servers: list[Server], vocab_size: int, args: argparse.Namespace, dead
         try:
             warm = SweepPoint("concurrency", WARMUP_REQUESTS, WARMUP_REQUESTS)
             warm_prompts = random_prompts(WARMUP_REQUESTS, args.input_len, vocab_size, seed=999)
-            server.record["warmup"] = asyncio.run(run_point(server.base_url, warm, warm_prompts, args.output_len, 0))
+            server.record["warmup"] = asyncio.run(run_point(server.base_url, warm, warm_prompts, args.output_len,
+                                                            0, args.client_processes))
             live.append(server)
         except Exception as exc:
             server.record.update(status="failed", error=f"warm-up: {type(exc).__name__}: {exc}")
@@ -393,7 +508,8 @@ def sweep(servers: list[Server], vocab_size: int, args: argparse.Namespace, dead
                 server.record["points"].append({**asdict(point), "label": point.label, "skipped": "time budget"})
                 continue
             try:
-                result = asyncio.run(run_point(server.base_url, point, prompts, args.output_len, seed=i))
+                result = asyncio.run(run_point(server.base_url, point, prompts, args.output_len, seed=i,
+                                               client_processes=args.client_processes))
             except Exception as exc:
                 server.record.update(status="failed", error=f"{point.label}: {type(exc).__name__}: {exc}")
                 live.remove(server)
@@ -422,7 +538,7 @@ def describe_point(p: dict) -> str:
     ms = lambda v: "-" if v is None else f"{v * 1e3:,.0f} ms"  # noqa: E731
     return (f"{p['label']:16s} {p['output_tok_s'] or 0:8,.0f} tok/s  TTFT p50 {ms(p['ttft_p50_s'])} p99 "
             f"{ms(p['ttft_p99_s'])}  ITL p50 {ms(p['itl_p50_s'])} p99 {ms(p['itl_p99_s'])} (engine <= "
-            f"{ms(p.get('engine_itl_p99_le_s'))})  E2E p99 "
+            f"{ms(p.get('engine_itl_p99_le_s'))}, client lag {ms(p.get('client_lag_p99_s'))})  E2E p99 "
             f"{ms(p['e2e_p99_s'])}  running mean {p['running_mean'] or 0:.0f} max {p['running_max'] or 0:.0f}"
             + (f"  FAILED {p['failed']}: {p['first_error']}" if p["failed"] else ""))
 
@@ -446,10 +562,11 @@ def render_markdown(doc: dict) -> str:
     bucket = lambda v: "-" if v is None else "> 80 s" if math.isinf(v) else f"<= {v * 1e3:,.0f}"  # noqa: E731
     for kind, title in (("rate", "request rate (Poisson arrivals)"), ("concurrency", "fixed concurrency")):
         lines += ["", f"{title}: TTFT / ITL / E2E in ms (engine ITL p99: the bucket of vLLM's own histogram, timed "
-                  "where the engine emits each token, that holds the p99)", "",
+                  "where the engine emits each token, that holds the p99; client lag p99: how late the clients' "
+                  "event loops woke, a delay any gap they timed may include)", "",
                   "| load | configuration | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | engine ITL p99 | "
-                  "E2E p50 | E2E p99 | running mean / max | waiting max | failed |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "client lag p99 | E2E p50 | E2E p99 | running mean / max | waiting max | failed |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         values = sorted({p["value"] for run in doc["runs"] for p in run.get("points", []) if p["kind"] == kind})
         for value in values:
             for run in doc["runs"]:
@@ -457,12 +574,13 @@ def render_markdown(doc: dict) -> str:
                 if p is None:
                     continue
                 if p.get("skipped"):
-                    lines.append(f"| {p['label']} | {run['label']} | skipped: {p['skipped']} |" + " |" * 10)
+                    lines.append(f"| {p['label']} | {run['label']} | skipped: {p['skipped']} |" + " |" * 11)
                     continue
                 lines.append(
                     f"| {p['label']} | {run['label']} | {p['output_tok_s'] or 0:,.0f} | {ms(p['ttft_p50_s'])} | "
                     f"{ms(p['ttft_p99_s'])} | {ms(p['itl_p50_s'])} | {ms(p['itl_p99_s'])} | "
-                    f"{bucket(p.get('engine_itl_p99_le_s'))} | {ms(p['e2e_p50_s'])} | "
+                    f"{bucket(p.get('engine_itl_p99_le_s'))} | {ms(p.get('client_lag_p99_s'))} | "
+                    f"{ms(p['e2e_p50_s'])} | "
                     f"{ms(p['e2e_p99_s'])} | {p['running_mean'] or 0:.0f} / {p['running_max'] or 0:.0f} | "
                     f"{p['waiting_max'] or 0:.0f} | {p['failed']} |")
     sustained = sustained_rates(doc)
@@ -574,6 +692,8 @@ def run(args: argparse.Namespace) -> int:
         args.concurrency_values = parse_numbers(args.concurrency, "--concurrency")
         if args.requests < 1 or args.input_len < 1 or args.output_len < 1:
             raise ValueError("--requests, --input-len and --output-len must be at least 1")
+        if args.client_processes < 1:
+            raise ValueError("--client-processes must be at least 1")
         if args.prefill_tokens_per_step is not None and args.prefill_tokens_per_step < 1:
             raise ValueError("--prefill-tokens-per-step must be at least 1")
         if args.input_len + args.output_len > args.max_model_len:
@@ -597,7 +717,8 @@ def run(args: argparse.Namespace) -> int:
                     "input_len": args.input_len, "output_len": args.output_len, "requests": args.requests,
                     "gpu_memory_utilization": args.gpu_memory_utilization, "max_num_seqs": args.max_num_seqs,
                     "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-                    "max_model_len": args.max_model_len, "prefill_tokens_per_step": args.prefill_tokens_per_step},
+                    "max_model_len": args.max_model_len, "prefill_tokens_per_step": args.prefill_tokens_per_step,
+                    "client_processes": args.client_processes},
            "runs": []}
     deadline = time.monotonic() + args.budget_s if args.budget_s is not None else None
 

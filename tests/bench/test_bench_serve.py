@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import http.server
 import os
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -77,12 +80,75 @@ def test_the_engines_itl_percentiles_are_the_buckets_of_its_histogram_that_hold_
     assert result["engine_itl_p50_le_s"] == 0.025 and result["engine_itl_p99_le_s"] == 0.2
 
 
+def test_a_rate_point_keeps_one_poisson_schedule_over_its_client_processes():
+    point = SweepPoint("rate", 8.0, 7)
+    shares = bench_serve.client_shares(point, 3, seed=5)
+    assert [share.indices for share in shares] == [(0, 3, 6), (1, 4), (2, 5)]
+    assert all(share.in_flight is None for share in shares)
+    # the offsets of one process's schedule, merged back, are the one schedule a single process keeps
+    merged = dict(pair for share in shares for pair in zip(share.indices, share.offsets))
+    single = bench_serve.client_shares(point, 1, seed=5)[0]
+    assert [merged[i] for i in range(7)] == list(single.offsets)
+    assert single.offsets[0] == 0.0 and all(b > a for a, b in zip(single.offsets, single.offsets[1:]))
+    assert bench_serve.client_shares(SweepPoint("rate", math.inf, 3), 2, seed=0)[1].offsets == (0.0,)
+    assert len(bench_serve.client_shares(SweepPoint("rate", 2.0, 2), 4, seed=0)) == 2  # no process without a request
+
+
+def test_a_concurrency_point_splits_its_in_flight_count_over_the_client_processes():
+    shares = bench_serve.client_shares(SweepPoint("concurrency", 10, 20), 4, seed=0)
+    assert [share.in_flight for share in shares] == [3, 3, 2, 2]
+    assert sorted(i for share in shares for i in share.indices) == list(range(20))
+    assert all(share.offsets is None for share in shares)
+    assert [s.in_flight for s in bench_serve.client_shares(SweepPoint("concurrency", 2, 8), 4, seed=0)] == [1, 1]
+
+
+class _StreamingCompletions(http.server.BaseHTTPRequestHandler):
+    """A stand-in for the server's /v1/completions: streams ``max_tokens`` chunks of one token id each, 5 ms apart,
+    and keeps each request's prompt."""
+
+    prompts: list = []
+
+    def do_POST(self):  # noqa: N802  # http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).prompts.append(body["prompt"])
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for _ in range(body["max_tokens"]):
+            time.sleep(0.005)
+            chunk = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
+                     "choices": [{"index": 0, "text": "a", "finish_reason": None, "token_ids": [7]}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *_):
+        pass
+
+
+def test_client_processes_stream_every_request_and_send_the_token_ids_whole():
+    pytest.importorskip("openai")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StreamingCompletions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        prompts = bench_serve.random_prompts(5, 300, 1000, seed=1)
+        records, lags, start, end = bench_serve.drive_clients(
+            f"http://127.0.0.1:{server.server_address[1]}", SweepPoint("rate", 50.0, 5), prompts, 6, seed=0,
+            processes=2)
+    finally:
+        server.shutdown()
+    assert sorted(map(tuple, _StreamingCompletions.prompts)) == sorted(map(tuple, prompts))
+    assert [r.error for r in records] == [None] * 5 and all(r.output_tokens == 6 for r in records)
+    assert all(len(r.itl_s) == 5 and min(r.itl_s) > 0 for r in records)
+    assert lags and all(lag >= 0 for lag in lags)
+    assert max(r.e2e_s for r in records) <= end - start < 30
+
+
 def _point(kind, value, ttft_p99, itl_p99=0.02, tok_s=100.0, failed=0):
     return {"kind": kind, "value": value, "label": SweepPoint(kind, value, 8).label, "requests": 8, "failed": failed,
             "output_tok_s": tok_s, "ttft_p50_s": ttft_p99 / 2, "ttft_p99_s": ttft_p99, "itl_p50_s": itl_p99 / 2,
-            "itl_p99_s": itl_p99, "engine_itl_p99_le_s": 0.025, "e2e_p50_s": 1.0, "e2e_p99_s": 2.0,
-            "running_mean": 3.0, "running_max": 5,
-            "waiting_max": 0}
+            "itl_p99_s": itl_p99, "engine_itl_p99_le_s": 0.025, "client_lag_p99_s": 0.002, "e2e_p50_s": 1.0,
+            "e2e_p99_s": 2.0, "running_mean": 3.0, "running_max": 5, "waiting_max": 0}
 
 
 def _doc():
@@ -128,7 +194,7 @@ def test_tables_and_plot_show_every_point_and_the_skipped_ones():
     table = bench_serve.render_markdown(doc)
     assert "| bf16 + FA3 | 107,824 | 80 s | none |" in table
     assert "| s4kv int4_kivi | 403,840 | 85 s | `_kivi_close_kernel`, `_gather_dense_kernel` |" in table
-    assert ("| rate 8/s | s4kv int4_kivi | 100 | 950 | 1,900 | 15 | 30 | <= 25 | 1,000 | 2,000 | 3 / 5 | 0 | 0 |"
+    assert ("| rate 8/s | s4kv int4_kivi | 100 | 950 | 1,900 | 15 | 30 | <= 25 | 2 | 1,000 | 2,000 | 3 / 5 | 0 | 0 |"
             in table)
     assert "| concurrency 16 | s4kv int4_kivi | skipped: time budget |" in table
     assert "highest request rate with p99 TTFT under 2 s: bf16 + FA3 2/s; s4kv int4_kivi 8/s" in table
@@ -140,6 +206,7 @@ def test_tables_and_plot_show_every_point_and_the_skipped_ones():
 @pytest.mark.parametrize("flags, message", [
     (["--rates", "1,x"], "--rates must be a comma list of numbers"),
     (["--concurrency", "0"], "--concurrency must be positive"),
+    (["--client-processes", "0"], "--client-processes must be at least 1"),
     (["--input-len", "4000", "--output-len", "200"], "exceeds --max-model-len 4096"),
     (["--configs", "bf16_fa3,int8"], "unknown configs"),
 ])
@@ -173,7 +240,8 @@ def test_real_openai_server_on_the_cpu_engine(tmp_path):
     status = cli.main(["bench", "--serve", "--configs", "s4kv_kivi", "--model", str(config), "--out", str(out),
                        "--rates", "8", "--concurrency", "2", "--requests", "3", "--input-len", "64",
                        "--output-len", "8", "--max-model-len", "512", "--max-num-seqs", "4",
-                       "--server-arg=--enforce-eager", "--kv-cache-memory-bytes", str(KV_BYTES), "--budget-s", "900"])
+                       "--client-processes", "2", "--server-arg=--enforce-eager",
+                       "--kv-cache-memory-bytes", str(KV_BYTES), "--budget-s", "900"])
     doc = json.loads((out / "serve.json").read_text())
     run = doc["runs"][0]
     assert status == 0, run.get("error")
@@ -191,7 +259,8 @@ def test_real_openai_server_on_the_cpu_engine(tmp_path):
         assert point["engine_itl_count"] == 3 * 7  # the engine's histogram saw the same gaps the client timed
         assert point["engine_itl_p50_le_s"] <= point["engine_itl_p99_le_s"] < math.inf
         assert point["output_tok_s"] == pytest.approx(24 / point["wall_s"])
-        assert math.isfinite(point["running_max"])
+        assert math.isfinite(point["running_max"]) and 0 <= point["client_lag_p99_s"] < point["wall_s"]
+    assert doc["meta"]["client_processes"] == 2
     assert (out / "serve.md").is_file() and 'class="series"' in (out / "serve.svg").read_text()
 
 
