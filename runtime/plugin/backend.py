@@ -361,6 +361,7 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        install_warmup_hook()
         self.staged_keys = self._allocate_staging_pool(get_current_vllm_config()) if self.scheme.is_kivi else None
         self._load_kernels()
 
@@ -370,7 +371,6 @@ class S4KVAttentionImpl(AttentionImpl[S4KVMetadata]):
         from s4kv.kernels.staging import allocate_pool
 
         install_step_hook()
-        install_warmup_hook()
         num_slots = vllm_config.scheduler_config.max_num_seqs
         dtype = vllm_config.model_config.dtype
         pool = allocate_pool(num_slots, self.num_kv_heads, BLOCK_SIZE, self.head_size, dtype,

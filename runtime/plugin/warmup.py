@@ -1,17 +1,19 @@
-"""int4_kivi's eager-step kernels compiled while the engine starts, not at the first requests.
+"""The eager-step kernels of S4 KV's attention on vLLM's V1 model runner compiled while the engine starts, not at
+the first requests (int4_kivi always runs on that runner; int4_saw does where vLLM's V1 runner is chosen).
 
 vLLM's start-up warm-up (the V1 model runner's dummy run of a few tokens per sequence, then CUDA-graph capture of
 decode batches) never closes a KV block, never prefills beside decodes and never stages an open block's keys, so
-the kernels of those steps (the store's staging variants, the block close, the dense prefill gather, the staging
-copy after attention) would be compiled by the first requests that need them: seconds each, while every running
-request waits (vLLM's JIT monitor logs "Triton kernel JIT compilation during inference"). After vLLM's own kernel
-warm-up, two dummy mixed steps run those launches once (``warm_up_eager_steps``):
+the kernels of those steps (the dense prefill gather over a cached prefix; int4_kivi's store staging variants, block
+close and staging copy after attention) would be compiled by the first requests that need them: seconds each, while
+every running request waits (vLLM's JIT monitor logs "Triton kernel JIT compilation during inference"). After vLLM's
+own kernel warm-up, two dummy mixed steps run those launches once (``warm_up_eager_steps``):
 
-* decodes beside a chunk that starts inside a block and ends inside a later one: the close over listed rows, the
-  staging copy after attention, the dense gather with the originals' pages, the decode rows of a mixed step;
-* decodes beside a prompt from position 0 that fills two blocks: the store's staging copy in its own launch.
+* decodes beside a chunk that starts inside a block and ends inside a later one: the dense gather of the cached
+  prefix (int4_kivi: with the originals' pages, the close over listed rows, the staging copy after attention), the
+  decode rows of a mixed step;
+* decodes beside a prompt from position 0 that fills two blocks: int4_kivi's staging copy in its own launch.
 
-The V1 runner (int4_kivi's) also computes each real step's slot mapping with a Triton kernel of vLLM's that no dummy
+The V1 runner also computes each real step's slot mapping with a Triton kernel of vLLM's that no dummy
 run launches (vLLM warms it up for Qwen models only), so it is launched once here too, on the runner's own block
 tables with a batch of no tokens (``warm_up_slot_mapping``).
 
@@ -26,7 +28,6 @@ import logging
 from typing import Any
 
 from .config import BLOCK_SIZE
-from .staging import staging_builders
 
 logger = logging.getLogger("vllm.s4kv")
 
@@ -54,18 +55,26 @@ def mixed_steps(max_num_tokens: int, max_num_seqs: int) -> list[dict[str, int]]:
     return [{"num_tokens": chunk}, {"num_tokens": prompt, "profile_seq_lens": 2 * BLOCK_SIZE}]
 
 
+def has_s4kv_attention(runner: Any) -> bool:
+    """Whether any attention group of the runner is built by S4 KV's backend."""
+    from .backend import S4KVMetadataBuilder
+
+    return any(isinstance(builder, S4KVMetadataBuilder) for groups in getattr(runner, "attn_groups", ())
+               for group in groups for builder in group.metadata_builders)
+
+
 def warm_up_eager_steps(runner: Any) -> bool:
-    """Run the warm-up steps on a V1 model runner whose attention holds int4_kivi builders; False, with a warning,
-    where it holds none, the engine's budget has no room for them or a step raised."""
+    """Run the warm-up steps on a V1 model runner whose attention is S4 KV's; False, with a warning, where it is
+    not, the engine's budget has no room for them or a step raised."""
     import torch
     from vllm.config import CUDAGraphMode
 
-    if not staging_builders(runner):
+    if not has_s4kv_attention(runner):
         return False
     steps = mixed_steps(runner.max_num_tokens, runner.scheduler_config.max_num_seqs)
     if not steps:
-        logger.warning("S4 KV: int4_kivi's eager-step kernels are not warmed up (max_num_seqs %d, %d tokens a step): "
-                       "the first requests that close a block will compile them",
+        logger.warning("S4 KV: the eager-step kernels are not warmed up (max_num_seqs %d, %d tokens a step): "
+                       "the first requests that prefill beside decodes will compile them",
                        runner.scheduler_config.max_num_seqs, runner.max_num_tokens)
         return False
     try:
@@ -75,10 +84,10 @@ def warm_up_eager_steps(runner: Any) -> bool:
                                   create_mixed_batch=True, skip_eplb=True, **step)
             warm_up_slot_mapping(runner)
     except Exception as error:  # an optimization of the start: the engine serves without it, and says so
-        logger.warning("S4 KV: int4_kivi's eager-step kernels are not warmed up (%s: %s): the first requests that "
-                       "close a block will compile them", type(error).__name__, error)
+        logger.warning("S4 KV: the eager-step kernels are not warmed up (%s: %s): the first requests that "
+                       "prefill beside decodes will compile them", type(error).__name__, error)
         return False
-    logger.info("S4 KV: int4_kivi's eager-step kernels compiled (%d dummy mixed steps, the slot mapping)", len(steps))
+    logger.info("S4 KV: the eager-step kernels compiled (%d dummy mixed steps, the slot mapping)", len(steps))
     return True
 
 

@@ -1,5 +1,6 @@
-"""runtime/plugin/warmup.py: the start-up warm-up of int4_kivi's eager-step kernels. The dummy steps' sizes against
-vLLM 0.26's mixed dummy batch, the warm-up on the real CPU engine's runner, and the hook in the GPU worker.
+"""runtime/plugin/warmup.py: the start-up warm-up of the eager-step kernels on vLLM's V1 runner. The dummy steps'
+sizes against vLLM 0.26's mixed dummy batch, the warm-up on the real CPU engine's runner (both schemes), and the hook
+in the GPU worker.
 tests/runtime/test_backend_steps.py runs the GPU path's layer through the same dummy steps."""
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def test_a_failed_warm_up_step_is_reported_and_the_start_goes_on(monkeypatch):
     def failing_dummy_run(**_):
         raise RuntimeError("no room")
 
-    builder = SimpleNamespace(staging=object())
+    from s4kv.runtime.plugin.backend import S4KVMetadataBuilder
+
+    builder = object.__new__(S4KVMetadataBuilder)  # the class is what marks S4 KV's attention, staging or not
     group = SimpleNamespace(kv_cache_group_id=0, metadata_builders=[builder])
     runner = SimpleNamespace(attn_groups=[[group]], max_num_tokens=8192,
                              scheduler_config=SimpleNamespace(max_num_seqs=8), _dummy_run=failing_dummy_run)
@@ -71,7 +74,9 @@ def test_a_failed_warm_up_step_is_reported_and_the_start_goes_on(monkeypatch):
     monkeypatch.setattr(warmup.logger, "warning", lambda message, *args: warnings.append(message % args))
     assert warmup.warm_up_eager_steps(runner) is False
     assert len(warnings) == 1 and "RuntimeError: no room" in warnings[0] and "will compile them" in warnings[0]
-    assert warmup.warm_up_eager_steps(SimpleNamespace(attn_groups=[])) is False  # no int4_kivi layer: nothing to do
+    assert warmup.warm_up_eager_steps(SimpleNamespace(attn_groups=[])) is False  # no S4 KV layer: nothing to do
+    other = SimpleNamespace(attn_groups=[[SimpleNamespace(kv_cache_group_id=0, metadata_builders=[object()])]])
+    assert warmup.warm_up_eager_steps(other) is False and len(warnings) == 1
 
 
 def test_the_slot_mapping_is_launched_on_the_runners_block_tables_for_no_tokens():
@@ -88,8 +93,9 @@ def test_the_slot_mapping_is_launched_on_the_runners_block_tables_for_no_tokens(
     assert query_start_loc.dtype == torch.int32 and positions.dtype == torch.int64  # the V1 runner's dtypes
 
 
-def test_the_warm_up_on_the_cpu_engine_changes_no_output():
-    """The two dummy steps through the real engine's runner (vLLM's CPU platform, the int4_kivi CPU layer), between
+@pytest.mark.parametrize("scheme", ["int4_kivi", "int4_saw"])
+def test_the_warm_up_on_the_cpu_engine_changes_no_output(scheme):
+    """The two dummy steps through the real engine's runner (vLLM's CPU platform, the scheme's CPU layer), between
     two greedy generations of a prompt that closes a page: the same tokens after as before."""
     script = """
 import json, sys
@@ -97,7 +103,7 @@ sys.path.insert(0, "tests/runtime")
 from cpu_engine_job import LONG_PROMPT, engine_kwargs
 from vllm import LLM, SamplingParams
 from s4kv.runtime.plugin.warmup import warm_up_eager_steps
-llm = LLM("models/tiny-qwen2", **dict(engine_kwargs("int4_kivi"), max_num_batched_tokens=512))
+llm = LLM("models/tiny-qwen2", **dict(engine_kwargs(sys.argv[1]), max_num_batched_tokens=512))
 greedy = SamplingParams(temperature=0, max_tokens=16)
 before = list(llm.generate([LONG_PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids)
 runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
@@ -105,6 +111,6 @@ warmed = warm_up_eager_steps(runner)
 after = list(llm.generate([LONG_PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids)
 print("RESULT " + json.dumps({"warmed": warmed, "before": before, "after": after}))
 """
-    result = run_engine_job(["-c", script], timeout=600)
+    result = run_engine_job(["-c", script, scheme], timeout=600)
     assert result["warmed"] and len(result["before"]) >= 8
     assert result["after"] == result["before"]
