@@ -158,8 +158,8 @@ def summarize_point(point: SweepPoint, records: list[RequestRecord], wall_s: flo
                     gauges: list[tuple[float, float]], engine_itl: dict[float, float] | None = None,
                     loop_lags: list[float] | None = None) -> dict:
     """The numbers a point reports from its requests, the gauge samples (running, waiting), the engine's
-    inter-token latency histogram over the point (cumulative counts per bucket bound) and this client's event-loop
-    lags."""
+    inter-token latency histogram over the point (cumulative counts per bucket bound) and the client processes'
+    event-loop lags."""
     ok = [r for r in records if r.error is None]
     output_tokens = sum(r.output_tokens for r in ok)
     itl = [gap for r in ok for gap in r.itl_s]
@@ -243,8 +243,8 @@ async def _sample_gauges(metrics_url: str, samples: list[tuple[float, float]], s
 
 
 async def _sample_loop_lag(lags: list[float], stop: asyncio.Event) -> None:
-    """How late this client's event loop wakes a LOOP_LAG_PERIOD_S sleep: a stream's chunk waits as long to be
-    timed, so a lag near the ITL says the client, not the server, made the gap."""
+    """How late a client process's event loop wakes from a LOOP_LAG_PERIOD_S sleep: a stream's chunk waits as long
+    to be timed, so a lag near the ITL says the client, not the server, made the gap."""
     while not stop.is_set():
         start = time.perf_counter()
         await asyncio.sleep(LOOP_LAG_PERIOD_S)
@@ -321,6 +321,16 @@ def _client_process(conn, base_url: str, prompts: list[list[int]], share: Client
     asyncio.run(main())
 
 
+def _receive(link, worker):
+    """The client process's next message, or a RuntimeError naming its exit code if it died (its traceback went to
+    this process's stderr)."""
+    try:
+        return link.recv()
+    except EOFError:
+        worker.join(timeout=10)
+        raise RuntimeError(f"a client process exited with code {worker.exitcode} before reporting") from None
+
+
 def drive_clients(base_url: str, point: SweepPoint, prompts: list[list[int]], output_len: int, seed: int,
                   processes: int, started: threading.Event | None = None
                   ) -> tuple[list[RequestRecord], list[float], float, float]:
@@ -339,15 +349,16 @@ def drive_clients(base_url: str, point: SweepPoint, prompts: list[list[int]], ou
             child.close()
             links.append(parent)
             workers.append(worker)
-        for link in links:
-            if not link.poll(CLIENT_START_S) or link.recv() != "ready":
+        for link, worker in zip(links, workers):
+            if not link.poll(CLIENT_START_S):
                 raise RuntimeError(f"a client process did not start within {CLIENT_START_S} s")
+            _receive(link, worker)  # "ready"
         start = time.monotonic() + 0.05
         for link in links:
             link.send(start)
         if started is not None:
             started.set()
-        results = [link.recv() for link in links]  # EOFError if a client process died
+        results = [_receive(link, worker) for link, worker in zip(links, workers)]
     finally:
         for worker in workers:
             worker.join(timeout=10)

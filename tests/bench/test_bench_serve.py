@@ -331,3 +331,14 @@ def test_the_prefill_cap_gives_every_server_the_plugins_scheduler_and_its_option
     default = bench_serve.server_command(bench_serve.FORMATS["bf16_fa3"], tmp_path, 8000,
                                          cli.build_parser().parse_args(["bench", "--serve"]))
     assert "--scheduler-cls" not in default and "--additional-config" not in default
+
+
+def test_a_client_process_that_dies_fails_the_point_with_its_exit_code(monkeypatch):
+    monkeypatch.setattr(bench_serve, "_client_process", _exit_at_once)
+    with pytest.raises(RuntimeError, match="a client process exited with code 3 before reporting"):
+        bench_serve.drive_clients("http://127.0.0.1:9", SweepPoint("concurrency", 1, 1), [[1]], 1, seed=0,
+                                  processes=1)
+
+
+def _exit_at_once(*_):
+    os._exit(3)
