@@ -46,7 +46,8 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from s4kv.runtime.cli.demo import wait_until_healthy
-from s4kv.runtime.schemes import choose_model_runner, prefill_capped_scheduler_settings
+from s4kv.runtime.schemes import (DEFAULT_PREFILL_TOKENS_PER_STEP, choose_model_runner,
+                                  prefill_capped_scheduler_settings)
 from s4kv.runtime.sizing import model_shapes
 from s4kv.runtime.vllm_metrics import bucket_percentile, histogram_buckets
 
@@ -92,9 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "and are measured one at a time")
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-model-len", type=int, default=4096)
-    group.add_argument("--prefill-tokens-per-step", type=int, default=None, metavar="TOKENS",
-                       help="every server with the plugin's prefill-capped scheduler: while requests decode, a step "
-                            "takes at most TOKENS prompt tokens (runtime/plugin/scheduler.py); default: vLLM's")
+    group.add_argument("--prefill-tokens-per-step", type=int, default=DEFAULT_PREFILL_TOKENS_PER_STEP,
+                       metavar="TOKENS",
+                       help="every server with the plugin's prefill-capped scheduler, as `s4kv serve` runs it: while "
+                            "requests decode, a step takes at most TOKENS prompt tokens (runtime/plugin/scheduler.py; "
+                            f"default {DEFAULT_PREFILL_TOKENS_PER_STEP}); 0 runs vLLM's own scheduler")
     group.add_argument("--client-processes", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
                        help="client processes the streams are spread over, each with its own event loop and "
                             "openai client (default: 4, at most the CPU count): one process parsing every streamed "
@@ -409,7 +412,7 @@ def server_command(fmt: KVFormat, model_dir: Path, port: int, args: argparse.Nam
     if args.kv_cache_memory_bytes is not None:
         command += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     additional_config = dict(fmt.additional_config or {})
-    if args.prefill_tokens_per_step is not None:
+    if args.prefill_tokens_per_step > 0:
         scheduler_flags, scheduler_config = prefill_capped_scheduler_settings(args.prefill_tokens_per_step)
         command += scheduler_flags
         additional_config.update(scheduler_config)
@@ -609,7 +612,8 @@ def kv_budget(meta: dict) -> str:
 
 def scheduler_note(meta: dict) -> str:
     cap = meta.get("prefill_tokens_per_step")
-    return f", the prefill-capped scheduler ({cap} prompt tokens a step that decodes)" if cap else ""
+    return (f", the prefill-capped scheduler ({cap} prompt tokens a step that decodes)" if cap
+            else ", vLLM's scheduler")
 
 
 def sustained_rates(doc: dict) -> dict[str, float | None]:
@@ -705,8 +709,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--requests, --input-len and --output-len must be at least 1")
         if args.client_processes < 1:
             raise ValueError("--client-processes must be at least 1")
-        if args.prefill_tokens_per_step is not None and args.prefill_tokens_per_step < 1:
-            raise ValueError("--prefill-tokens-per-step must be at least 1")
+        if args.prefill_tokens_per_step < 0:
+            raise ValueError("--prefill-tokens-per-step must be a number of tokens (0: vLLM's own scheduler)")
         if args.input_len + args.output_len > args.max_model_len:
             raise ValueError(f"--input-len + --output-len ({args.input_len + args.output_len}) exceeds "
                              f"--max-model-len {args.max_model_len}")

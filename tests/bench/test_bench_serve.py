@@ -10,8 +10,10 @@ import math
 import http.server
 import os
 import subprocess
+import sys
 import threading
 import time
+import unittest.mock
 
 import pytest
 
@@ -28,6 +30,14 @@ TINY_QWEN2 = {
     "bos_token_id": 1, "eos_token_id": 2,
 }
 KV_BYTES = 64 * 2**20
+
+
+def parse_serve(*argv: str):
+    """`s4kv bench --serve ARGV` parsed as the command line would be (the parser adds a subcommand's options only when
+    sys.argv names it)."""
+    argv = ["bench", "--serve", *argv]
+    with unittest.mock.patch.object(sys, "argv", ["s4kv", *argv]):
+        return cli.build_parser().parse_args(argv)
 
 
 def test_percentile_interpolates_like_numpy():
@@ -207,6 +217,7 @@ def test_tables_and_plot_show_every_point_and_the_skipped_ones():
     (["--rates", "1,x"], "--rates must be a comma list of numbers"),
     (["--concurrency", "0"], "--concurrency must be positive"),
     (["--client-processes", "0"], "--client-processes must be at least 1"),
+    (["--prefill-tokens-per-step", "-1"], "--prefill-tokens-per-step must be a number of tokens"),
     (["--input-len", "4000", "--output-len", "200"], "exceeds --max-model-len 4096"),
     (["--configs", "bf16_fa3,int8"], "unknown configs"),
 ])
@@ -271,17 +282,17 @@ def test_int4_kivi_servers_start_on_vllms_v1_runner_and_the_others_on_its_defaul
 
     class FakePopen:
         def __init__(self, argv, env, **_):
-            started[argv[argv.index("--kv-cache-dtype") + 1], "--additional-config" in argv and
-                    json.loads(argv[argv.index("--additional-config") + 1])["s4kv"]["scheme"]] = env
+            config = json.loads(argv[argv.index("--additional-config") + 1])
+            started[argv[argv.index("--kv-cache-dtype") + 1], config.get("s4kv", {}).get("scheme")] = env
             self.pid = 0
 
     monkeypatch.setattr(bench_serve.subprocess, "Popen", FakePopen)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    args = cli.build_parser().parse_args(["bench", "--serve"])
+    args = parse_serve()
     for name in ("s4kv_kivi", "bf16_fa3", "s4kv_saw"):
         bench_serve.start_server(name, tmp_path, args, tmp_path)
     runner = {key: env.get("VLLM_USE_V2_MODEL_RUNNER") for key, env in started.items()}
-    assert runner == {("int4_per_token_head", "int4_kivi"): "0", ("auto", False): None,
+    assert runner == {("int4_per_token_head", "int4_kivi"): "0", ("auto", None): None,
                       ("int4_per_token_head", "int4_saw"): None}
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ  # the bench process itself keeps vLLM's default
 
@@ -315,22 +326,28 @@ def test_the_free_memory_is_read_from_nvidia_smi_of_the_first_visible_gpu(monkey
     assert bench_serve.gpu_free_bytes() is None
 
 
-def test_the_prefill_cap_gives_every_server_the_plugins_scheduler_and_its_option(tmp_path):
-    args = cli.build_parser().parse_args(["bench", "--serve", "--prefill-tokens-per-step", "2048"])
+@pytest.mark.parametrize("flags, cap", [([], 2048), (["--prefill-tokens-per-step", "1024"], 1024)])
+def test_every_server_runs_the_plugins_prefill_capped_scheduler_as_s4kv_serve_does(tmp_path, flags, cap):
+    args = parse_serve(*flags)
     for name, s4kv in (("s4kv_kivi", {"scheme": "int4_kivi"}), ("bf16_fa3", None)):
         argv = bench_serve.server_command(bench_serve.FORMATS[name], tmp_path, 8000, args)
         assert argv[argv.index("--scheduler-cls") + 1] == "s4kv.runtime.plugin.scheduler.prefill_capped_scheduler"
         config = json.loads(argv[argv.index("--additional-config") + 1])
-        assert config.pop("s4kv_scheduler") == {"prefill_tokens_per_step": 2048}
+        assert config.pop("s4kv_scheduler") == {"prefill_tokens_per_step": cap}
         assert config.get("s4kv") == s4kv and set(config) <= {"s4kv"}
     doc = _doc()
-    assert "the prefill-capped scheduler" not in bench_serve.render_markdown(doc).splitlines()[0]
-    doc["meta"]["prefill_tokens_per_step"] = 2048
-    assert ", the prefill-capped scheduler (2048 prompt tokens a step that decodes);" in (
+    doc["meta"]["prefill_tokens_per_step"] = cap
+    assert f", the prefill-capped scheduler ({cap} prompt tokens a step that decodes);" in (
         bench_serve.render_markdown(doc).splitlines()[0])
-    default = bench_serve.server_command(bench_serve.FORMATS["bf16_fa3"], tmp_path, 8000,
-                                         cli.build_parser().parse_args(["bench", "--serve"]))
-    assert "--scheduler-cls" not in default and "--additional-config" not in default
+
+
+def test_a_cap_of_0_runs_vllms_own_scheduler(tmp_path):
+    args = parse_serve("--prefill-tokens-per-step", "0")
+    argv = bench_serve.server_command(bench_serve.FORMATS["bf16_fa3"], tmp_path, 8000, args)
+    assert "--scheduler-cls" not in argv and "--additional-config" not in argv
+    doc = _doc()
+    doc["meta"]["prefill_tokens_per_step"] = 0
+    assert ", vLLM's scheduler;" in bench_serve.render_markdown(doc).splitlines()[0]
 
 
 def test_a_client_process_that_dies_fails_the_point_with_its_exit_code(monkeypatch):
