@@ -291,8 +291,8 @@ def client_shares(point: SweepPoint, processes: int, seed: int) -> list[ClientSh
 
 def _client_process(conn, base_url: str, prompts: list[list[int]], share: ClientShare, output_len: int) -> None:
     """A client process: its own event loop and openai client; reports ready, waits for the common start time
-    (time.monotonic(), shared by the processes of one machine), streams its share and sends back its records,
-    its event-loop lags and when it finished."""
+    (time.monotonic(), shared by the processes of one machine), streams its share (``prompts``: the share's own, in
+    its order) and sends back its records, its event-loop lags and when it finished."""
     from openai import AsyncOpenAI
 
     async def main() -> None:
@@ -314,7 +314,7 @@ def _client_process(conn, base_url: str, prompts: list[list[int]], share: Client
                 return await _stream_one(client, prompt, output_len)
 
         offsets = share.offsets or (None,) * len(share.indices)
-        records = await asyncio.gather(*(send(o, prompts[i]) for o, i in zip(offsets, share.indices)))
+        records = await asyncio.gather(*(send(o, prompt) for o, prompt in zip(offsets, prompts)))
         finished = time.monotonic()
         stop.set()
         await lag_sampler
@@ -346,7 +346,8 @@ def drive_clients(base_url: str, point: SweepPoint, prompts: list[list[int]], ou
     try:
         for share in shares:
             parent, child = ctx.Pipe()
-            worker = ctx.Process(target=_client_process, args=(child, base_url, prompts, share, output_len),
+            own_prompts = [prompts[i] for i in share.indices]
+            worker = ctx.Process(target=_client_process, args=(child, base_url, own_prompts, share, output_len),
                                  daemon=True)
             worker.start()
             child.close()
@@ -356,7 +357,7 @@ def drive_clients(base_url: str, point: SweepPoint, prompts: list[list[int]], ou
             if not link.poll(CLIENT_START_S):
                 raise RuntimeError(f"a client process did not start within {CLIENT_START_S} s")
             _receive(link, worker)  # "ready"
-        start = time.monotonic() + 0.05
+        start = time.monotonic() + 0.05  # a moment for every process to receive it
         for link in links:
             link.send(start)
         if started is not None:
