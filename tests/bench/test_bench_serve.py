@@ -270,7 +270,8 @@ def test_real_openai_server_on_the_cpu_engine(tmp_path):
         assert point["engine_itl_count"] == 3 * 7  # the engine's histogram saw the same gaps the client timed
         assert point["engine_itl_p50_le_s"] <= point["engine_itl_p99_le_s"] < math.inf
         assert point["output_tok_s"] == pytest.approx(24 / point["wall_s"])
-        assert math.isfinite(point["running_max"]) and 0 <= point["client_lag_p99_s"] < point["wall_s"]
+        assert math.isfinite(point["running_max"])
+        assert math.isfinite(point["client_lag_p99_s"]) and point["client_lag_p99_s"] >= 0  # the clients' loops timed
     assert doc["meta"]["client_processes"] == 2
     assert (out / "serve.md").is_file() and 'class="series"' in (out / "serve.svg").read_text()
 
