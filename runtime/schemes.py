@@ -58,7 +58,13 @@ DEFAULT_PREFILL_TOKENS_PER_STEP = 2048
 
 
 def prefill_capped_scheduler_settings(cap: int) -> tuple[list[str], dict[str, Any]]:
-    """The vLLM flags and the additional_config entry that run the prefill-capped scheduler with ``cap``."""
+    """The vLLM flags and the additional_config entry for ``--prefill-tokens-per-step cap`` (`s4kv serve`, `s4kv
+    bench --serve`): the prefill-capped scheduler with ``cap``, or for 0 none (vLLM's own scheduler); ValueError for
+    a negative cap."""
+    if cap < 0:
+        raise ValueError(f"--prefill-tokens-per-step must be a number of tokens (0: vLLM's own scheduler), got {cap}.")
+    if cap == 0:
+        return [], {}
     return ["--scheduler-cls", PREFILL_CAPPED_SCHEDULER], {SCHEDULER_CONFIG_KEY: {PREFILL_CAP_OPTION: cap}}
 
 

@@ -63,7 +63,7 @@ LOOP_LAG_PERIOD_S = 0.005
 CLIENT_START_S = 60  # a client process's start: spawn, import openai
 GAUGE_LINE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 # the engine's own inter-token latency histogram: gaps between the engine core's output timestamps of a request, so
-# free of the HTTP stream's and this client's delays (vLLM's buckets: 10, 25, 50, 75, 100, 150, 200, 300 ms, ...)
+# free of the HTTP stream's and the clients' delays (vLLM's buckets: 10, 25, 50, 75, 100, 150, 200, 300 ms, ...)
 ENGINE_ITL_FAMILY = "vllm:inter_token_latency_seconds"
 TTFT_TARGET_S = 2.0  # a rate is sustained while p99 TTFT stays under this
 MIN_CONFIG_S = 150  # a 7B server's start on the H200 plus one sweep point: less left, the configuration is skipped
@@ -413,10 +413,9 @@ def server_command(fmt: KVFormat, model_dir: Path, port: int, args: argparse.Nam
     if args.kv_cache_memory_bytes is not None:
         command += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     additional_config = dict(fmt.additional_config or {})
-    if args.prefill_tokens_per_step > 0:
-        scheduler_flags, scheduler_config = prefill_capped_scheduler_settings(args.prefill_tokens_per_step)
-        command += scheduler_flags
-        additional_config.update(scheduler_config)
+    scheduler_flags, scheduler_config = prefill_capped_scheduler_settings(args.prefill_tokens_per_step)
+    command += scheduler_flags
+    additional_config.update(scheduler_config)
     if additional_config:
         command += ["--additional-config", json.dumps(additional_config)]
     return command + list(args.server_arg)
@@ -710,8 +709,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--requests, --input-len and --output-len must be at least 1")
         if args.client_processes < 1:
             raise ValueError("--client-processes must be at least 1")
-        if args.prefill_tokens_per_step < 0:
-            raise ValueError("--prefill-tokens-per-step must be a number of tokens (0: vLLM's own scheduler)")
+        prefill_capped_scheduler_settings(args.prefill_tokens_per_step)  # refuses a negative cap before any start
         if args.input_len + args.output_len > args.max_model_len:
             raise ValueError(f"--input-len + --output-len ({args.input_len + args.output_len}) exceeds "
                              f"--max-model-len {args.max_model_len}")

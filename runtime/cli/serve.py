@@ -95,17 +95,13 @@ def serve_flags(args: argparse.Namespace, api_key_set: bool) -> list[str]:
     elif args.hadamard_block is not None or args.rotate_values or args.allow_unsupported_model:
         raise ValueError("--hadamard-block, --rotate-values and --allow-unsupported-model are S4 KV options; "
                          "--scheme bf16 takes none of them.")
-    if args.prefill_tokens_per_step < 0:
-        raise ValueError(f"--prefill-tokens-per-step must be a number of tokens (0: vLLM's own scheduler), got "
-                         f"{args.prefill_tokens_per_step}.")
-    if args.prefill_tokens_per_step > 0:
-        if any(_flag_name(arg) == "--scheduler-cls" for arg in extra):
-            raise ValueError(f"--scheduler-cls would replace the plugin's prefill-capped scheduler (on by default, "
-                             f"--prefill-tokens-per-step {args.prefill_tokens_per_step}); add "
-                             f"--prefill-tokens-per-step 0 to run your own.")
-        scheduler_flags, scheduler_config = prefill_capped_scheduler_settings(args.prefill_tokens_per_step)
-        flags += scheduler_flags
-        additional_config.update(scheduler_config)
+    scheduler_flags, scheduler_config = prefill_capped_scheduler_settings(args.prefill_tokens_per_step)
+    if scheduler_flags and any(_flag_name(arg) == "--scheduler-cls" for arg in extra):
+        raise ValueError(f"--scheduler-cls would replace the plugin's prefill-capped scheduler (on by default, "
+                         f"--prefill-tokens-per-step {args.prefill_tokens_per_step}); add "
+                         f"--prefill-tokens-per-step 0 to run your own.")
+    flags += scheduler_flags
+    additional_config.update(scheduler_config)
     if additional_config:
         flags += ["--additional-config", json.dumps(additional_config)]
     if api_key_set:
