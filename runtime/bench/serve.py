@@ -1,9 +1,10 @@
 """`s4kv bench --serve`: serving latency of each KV format through vLLM's real OpenAI-compatible server.
 
-For every selected configuration (runtime/bench/matrix.py's FORMATS) one server process starts (vLLM's
-``vllm.entrypoints.openai.api_server``, dummy weights from a config.json, no tokenizer: prompts are token ids), a
-few warm-up requests run, then two sweeps drive it through the official ``openai`` client, streaming, from
-``--client-processes`` processes (each its own event loop, so that parsing the chunks keeps up with the server):
+For every selected configuration (runtime/bench/matrix.py's FORMATS) one server process starts (`s4kv serve`'s,
+``s4kv.runtime.plugin.api_server``: vLLM's OpenAI server with the plugin's checks and CUDA-graph sizes, for every
+format alike; dummy weights from a config.json, no tokenizer: prompts are token ids), a few warm-up requests run,
+then two sweeps drive it through the official ``openai`` client, streaming, from ``--client-processes`` processes
+(each its own event loop, so that parsing the chunks keeps up with the server):
 
 * request rate: Poisson arrivals at each rate of ``--rates`` (requests per second);
 * fixed concurrency: each count of ``--concurrency`` requests kept in flight.
@@ -55,7 +56,7 @@ from . import report as bench_report
 from .matrix import FORMATS, KVFormat, parse_names
 
 SERVED_NAME = "bench"
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SERVER_MODULE = "s4kv.runtime.plugin.api_server"  # `s4kv serve`'s server, for every format
 SERVE_FORMATS = ("bf16_fa3", "fp8_fa3", "s4kv_kivi", "s4kv_saw")
 WARMUP_REQUESTS = 4
 METRICS_PERIOD_S = 0.5
@@ -402,8 +403,8 @@ def free_port() -> int:
 
 
 def server_command(fmt: KVFormat, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
-    """argv of vLLM's OpenAI server (what `vllm serve` runs) for one configuration, with dummy weights and no
-    tokenizer (token-id prompts), prefix caching on as vLLM's default."""
+    """argv of `s4kv serve`'s server (vLLM's OpenAI server with the plugin's checks and its CUDA-graph sizes) for one
+    configuration, with dummy weights and no tokenizer (token-id prompts), prefix caching on as vLLM's default."""
     command = [sys.executable, "-m", SERVER_MODULE, "--model", str(model_dir), "--served-model-name", SERVED_NAME,
                "--host", "127.0.0.1", "--port", str(port), "--load-format", args.load_format,
                "--skip-tokenizer-init", "--seed", "0",

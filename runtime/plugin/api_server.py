@@ -1,5 +1,5 @@
-"""vLLM's OpenAI-compatible server as `s4kv serve` runs it: vLLM's own parser, app and engine, plus two things the
-stock entry point (``python -m vllm.entrypoints.openai.api_server``) lacks:
+"""vLLM's OpenAI-compatible server as `s4kv serve` runs it: vLLM's own parser, app and engine, plus three things
+the stock entry point (``python -m vllm.entrypoints.openai.api_server``) lacks:
 
 * every setting is judged before vLLM builds the engine: vLLM's config is created from the parsed arguments (no
   weights, no engine process) and our checks run on it, the very checks the engine runs later; a refusal is one
@@ -8,7 +8,9 @@ stock entry point (``python -m vllm.entrypoints.openai.api_server``) lacks:
   process then exits 0, which a supervisor reads as a deliberate stop. Here vLLM's watchdog is switched off
   (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH) and our own stops the server instead, remembering why, so the process exits
   EXIT_ENGINE_DIED. A shutdown by signal is told apart by uvicorn's ``should_exit``, which its signal handler sets
-  before vLLM stops the engine.
+  before vLLM stops the engine;
+* a batch of max_num_seqs decodes replays a full CUDA graph where vLLM's default capture sizes would leave it out
+  (cuda_graphs.py): the size is added to the arguments the engine is built from.
 
 The sequence below is vLLM 0.26.0's ``run_server`` / ``run_server_worker`` / ``build_and_serve``, with the app kept
 in hand for the watchdog.
@@ -24,6 +26,7 @@ from argparse import Namespace
 
 from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_ENGINE_DIED, EXIT_OK, EXIT_UNSUPPORTED
 from s4kv.runtime.plugin.config import S4KVConfigError, as_sentence, check_vllm_config
+from s4kv.runtime.plugin.cuda_graphs import cover_largest_decode_batch
 from s4kv.runtime.plugin.scheduler import check_config as check_scheduler_config
 from s4kv.runtime.plugin.version import vllm_version_mismatch
 from s4kv.runtime.schemes import PREFILL_CAPPED_SCHEDULER, choose_model_runner
@@ -87,7 +90,8 @@ def parse(argv: list[str]) -> Namespace:
 
 
 def precheck(args: Namespace) -> None:
-    """Everything knowable before the engine starts: vLLM's own argument and config validation, then ours."""
+    """Everything knowable before the engine starts: vLLM's own argument and config validation, then ours; then the
+    largest decode batch added to the CUDA-graph capture sizes where it would miss its full graph (cuda_graphs.py)."""
     from pydantic import ValidationError
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
@@ -122,6 +126,7 @@ def precheck(args: Namespace) -> None:
         check_vllm_config(vllm_config)
     except S4KVConfigError as err:
         raise Refusal(EXIT_UNSUPPORTED, str(err)) from None
+    cover_largest_decode_batch(args, vllm_config)
 
 
 def _looks_like_path(model: str) -> bool:
@@ -197,3 +202,7 @@ class EngineWatchdog:
                 self.engine_died = True
                 server.should_exit = True
                 return
+
+
+if __name__ == "__main__":  # `s4kv bench --serve` runs every server this way, as `s4kv serve` runs it
+    sys.exit(main(sys.argv[1:]))
