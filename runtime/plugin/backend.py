@@ -42,6 +42,7 @@ from s4kv.kernels.staging import STAGE_BY_CALLER, STAGE_IN_STORE, staging_overwr
 from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
 
 from .config import BLOCK_SIZE, S4KVConfigError, check_vllm_config
+from .cuda_graphs import warn_missing_decode_graph
 from .staging import StagingBuffers, block_closing_rows, install_step_hook
 from .warmup import install_warmup_hook
 
@@ -198,6 +199,7 @@ class S4KVMetadataBuilder(AttentionMetadataBuilder[S4KVMetadata]):
         self.workspace = self._allocate_workspace(config.scheme)
         self.staging = self._allocate_staging(config.scheme)
         self.update_runs_eagerly = kv_update_runs_eagerly(vllm_config.compilation_config)
+        warn_missing_decode_graph(vllm_config)
 
     def _allocate_staging(self, scheme: Int4Scheme) -> StagingBuffers | None:
         # int4_kivi: one staging slot per running sequence (a sequence has at most one open block)

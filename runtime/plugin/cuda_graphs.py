@@ -57,13 +57,24 @@ def cover_largest_decode_batch(args: Namespace, vllm_config: Any) -> list[int] |
     sizes = sizes_with_largest_decode_batch(vllm_config)
     if sizes is None:
         return None
-    largest = largest_decode_batch(vllm_config)
     if capture_sizes_chosen(args):
-        logger.warning("S4 KV: the CUDA-graph capture sizes given leave out %d, the largest decode batch "
-                       "(max_num_seqs x decode tokens): such steps run attention outside a full CUDA graph, bound "
-                       "by the host; add %d to --cudagraph-capture-sizes", largest, largest)
+        warn_missing_decode_graph(vllm_config)
         return None
     args.cudagraph_capture_sizes = sizes
+    largest = largest_decode_batch(vllm_config)
     logger.info("S4 KV: CUDA-graph capture sizes %s (vLLM's, plus %d, the largest decode batch, which then replays "
                 "a full graph)", sizes, largest)
     return sizes
+
+
+def warn_missing_decode_graph(vllm_config: Any) -> bool:
+    """Log a warning, and return True, where the largest decode batch would run without its full graph (an engine
+    built outside `s4kv serve`: `vllm serve`, the Python API, or capture sizes chosen by the user)."""
+    if sizes_with_largest_decode_batch(vllm_config) is None:
+        return False
+    largest = largest_decode_batch(vllm_config)
+    logger.warning("S4 KV: the CUDA-graph capture sizes %s leave out %d, the largest decode batch (max_num_seqs x "
+                   "decode tokens): such steps run attention outside a full CUDA graph, bound by the host; add %d to "
+                   "--cudagraph-capture-sizes (s4kv serve adds it when no sizes are given)",
+                   list(vllm_config.compilation_config.cudagraph_capture_sizes), largest, largest)
+    return True

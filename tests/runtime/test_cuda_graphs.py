@@ -16,7 +16,7 @@ from vllm.config.compilation import CompilationMode  # noqa: E402
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher  # noqa: E402
 
 from s4kv.runtime.plugin.cuda_graphs import (cover_largest_decode_batch,  # noqa: E402
-                                             sizes_with_largest_decode_batch)
+                                             sizes_with_largest_decode_batch, warn_missing_decode_graph)
 
 
 def engine_config(max_num_seqs: int, sizes: list[int] | None = None, mode=CUDAGraphMode.FULL_AND_PIECEWISE,
@@ -98,3 +98,17 @@ def test_the_server_arguments_get_the_sizes_unless_the_user_chose_sizes(caplog, 
             assert cover_largest_decode_batch(chosen, engine_config(17, [1, 8, 16, 32])) is None
         assert chosen.cudagraph_capture_sizes in (None, [1, 8, 16, 32])
         assert "leave out 17" in caplog.text and "add 17 to --cudagraph-capture-sizes" in caplog.text
+
+
+def test_an_engine_built_without_the_size_says_what_to_add(caplog, monkeypatch):
+    """The attention builder's check, for engines `s4kv serve` did not configure (`vllm serve`, the Python API)."""
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="vllm.s4kv"):
+        assert warn_missing_decode_graph(engine_config(100)) is True
+        assert "[1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, " \
+               "168, 176, 184, 192, 200] leave out 100" in caplog.text
+        caplog.clear()
+        assert warn_missing_decode_graph(engine_config(96)) is False
+        assert warn_missing_decode_graph(engine_config(100, sizes_with_largest_decode_batch(engine_config(100)))) \
+            is False
+    assert caplog.text == ""
