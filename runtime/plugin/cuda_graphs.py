@@ -54,11 +54,11 @@ def cover_largest_decode_batch(args: Namespace, vllm_config: Any) -> list[int] |
     """Set ``args.cudagraph_capture_sizes`` (the engine is built from ``args`` later) to vLLM's sizes plus the
     largest decode batch where that batch would run without its full graph; returns the new sizes, or None when
     nothing changed. Sizes the user chose are kept, with a warning if they leave that batch out."""
-    sizes = sizes_with_largest_decode_batch(vllm_config)
-    if sizes is None:
-        return None
     if capture_sizes_chosen(args):
         warn_missing_decode_graph(vllm_config)
+        return None
+    sizes = sizes_with_largest_decode_batch(vllm_config)
+    if sizes is None:
         return None
     args.cudagraph_capture_sizes = sizes
     largest = largest_decode_batch(vllm_config)
