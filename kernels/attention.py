@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
 from .layout import KIVI_BLOCK_SIZE, PageLayout, cdiv, check_head_dim, next_power_of_2, tile_tokens
@@ -65,10 +64,6 @@ class LaunchConfig:
     # nibbles come out with a mask and at most a shift (_ptx_unpack_quarters_source; tools/device/sass_stats.py
     # counts both loops)
     wide_code_loads: bool = False
-    # split-KV decode: the merge launched as a programmatic dependent launch (Hopper and later). The splits let it
-    # launch at their start, and it reads the step's metadata before it waits for their partials: its launch and
-    # first loads overlap the splits instead of following them (at batch 1 the merge was a third of the step)
-    dependent_merge: bool = False
     # the tiles that every live row of a program sees wholly (all before the first row's position, the program's
     # smallest) run without the causal/length mask: no visibility select on the scores, no guard for an all-masked
     # row maximum, per-token params loaded unmasked. Only the tile or two at the end of a program's
@@ -628,11 +623,9 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, PTX_UNPACK: tl.constexpr, SUBNORMAL: tl.constexpr, CODE_SCALE: tl.constexpr,
     IS_BF16: tl.constexpr, CODE_BIAS_BITS: tl.constexpr, CODE_BIAS: tl.constexpr, HALF: tl.constexpr,
     PAIRED_PARAMS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
-    DECODE: tl.constexpr, WIDE_CODES: tl.constexpr, HIGH_PART_SCALE: tl.constexpr, LAUNCH_MERGE: tl.constexpr,
+    DECODE: tl.constexpr, WIDE_CODES: tl.constexpr, HIGH_PART_SCALE: tl.constexpr,
     UNMASKED_FULL_TILES: tl.constexpr, JOINT_ROW_SUMS: tl.constexpr, GROUP_AS_N: tl.constexpr, WARPS: tl.constexpr,
 ):
-    if LAUNCH_MERGE:  # the merge (a dependent launch) may start once every split has: it waits for our partials
-        gdc_launch_dependents()
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -779,7 +772,6 @@ def _live_splits(seq_len, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLI
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr, out_stride_t, out_stride_h,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -789,8 +781,6 @@ def _merge_splits_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if DEPENDENT:  # launched while the splits run: the metadata was written before them, their partials are not yet
-        gdc_wait()
     if (q_end > q_start) & (seq_len > 0):
         split = tl.arange(0, NUM_SPLITS)
         live = split < _live_splits(seq_len, TILE, NUM_SPLITS, MIN_SPLIT_TILES)
@@ -983,11 +973,6 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
     # the interpreter compiles nothing: a register cap is for ptxas only
     compiler_options = {} if launch.max_registers is None or interpreted else {"maxnreg": launch.max_registers}
     num_splits = plan.splits
-    dependent_merge = launch.dependent_merge and num_splits > 1
-    if dependent_merge and (interpreted or (query.is_cuda and torch.cuda.get_device_capability(query.device) < (9, 0))):
-        raise ValueError("LaunchConfig.dependent_merge needs a GPU of compute capability 9.0 or later (programmatic "
-                         "dependent launch), not " + ("the Triton interpreter" if interpreted else
-                                                      f"{torch.cuda.get_device_name(query.device)}"))
     if num_splits > 1 and (workspace.num_q_heads != num_q_heads or workspace.part_acc.shape[1] != head_dim):
         raise ValueError("workspace was allocated for another number of query heads or another head_dim")
     dummy = out if num_splits == 1 else None
@@ -1005,7 +990,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         ROTATE_V=scheme.rotate_values, NUM_SPLITS=num_splits, PTX_UNPACK=launch.ptx_unpack, HALF=layout.half_dim,
         PAIRED_PARAMS=launch.paired_param_loads,
         MIN_SPLIT_TILES=plan.min_split_tiles, DECODE=decode, WIDE_CODES=launch.wide_code_loads,
-        HIGH_PART_SCALE=_high_part_scale(launch, query.dtype), LAUNCH_MERGE=dependent_merge,
+        HIGH_PART_SCALE=_high_part_scale(launch, query.dtype),
         UNMASKED_FULL_TILES=launch.unmasked_full_tiles, JOINT_ROW_SUMS=launch.joint_row_sums,
         GROUP_AS_N=launch.group_as_n, WARPS=launch.num_warps,
         **_code_format(query.dtype, launch.subnormal_codes),
@@ -1015,6 +1000,5 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, workspace.part_acc, workspace.part_ml, query_start_loc, seq_lens, *out.stride()[:2],
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, TILE=tile, MIN_SPLIT_TILES=plan.min_split_tiles,
-            DEPENDENT=dependent_merge, **({"launch_pdl": True} if dependent_merge else {}),
         )
 

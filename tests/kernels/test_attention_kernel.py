@@ -325,20 +325,6 @@ def test_ptx_unpack_is_refused_by_the_interpreter():
                         torch.empty_like(q), launch=launch)
 
 
-def test_dependent_merge_is_refused_by_the_interpreter():
-    """The dependent merge is a Hopper launch feature: off the GPU asking for it is an error, never ignored."""
-    if torch.cuda.is_available():
-        pytest.skip("the GPU tests run it (test_gpu_kernels)")
-    scheme = SCHEMES["saw128"]
-    q = torch.zeros(1, 8, 128, dtype=torch.float16)
-    workspace = SplitWorkspace.allocate(8, 2, 128, "cpu", num_splits=4)
-    launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], ptx_unpack=False, dependent_merge=True)
-    with pytest.raises(ValueError, match="dependent_merge needs a GPU of compute capability 9.0"):
-        paged_attention(q, torch.zeros(2, 2, 136 * 128, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.int32),
-                        torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.1, scheme,
-                        torch.empty_like(q), workspace=workspace, launch=launch)
-
-
 def test_split_kv_agrees_with_the_one_pass_tile_loop(gen, kernel_device):
     """Split-KV only reorders the softmax sums: it agrees with the one-pass tile loop far tighter than either does
     with fp32."""

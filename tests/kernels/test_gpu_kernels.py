@@ -302,60 +302,6 @@ def test_cuda_graph_replay_of_store_and_attention_matches_eager(request, scheme_
     assert torch.equal(static_cache, eager_cache), "step 1: replayed store differs from eager"
 
 
-@pytest.mark.parametrize("batch_size", [1, 8, 32])
-@pytest.mark.parametrize("scheme_name", ["kivi", "saw128"])
-def test_dependent_merge_matches_the_merge_after_the_splits(request, scheme_name, batch_size):
-    """LaunchConfig.dependent_merge: the split-KV merge launched while the splits still run (it waits for their
-    partials) gives exactly the output of the merge launched after them, in 50 eager launches in a row (a merge
-    that read partials early would differ in some) and in 20 CUDA-graph replays."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    scheme = SCHEMES[scheme_name]
-    gen = gpu_gen(request)
-    specs = [(int(c), 1) for c in torch.randint(1024, 8192, (batch_size,), generator=gen, device="cuda").tolist()]
-    batch = make_paged_batch(gen, specs, NUM_Q_HEADS, NUM_KV_HEADS, block_size=128, dtype=torch.bfloat16,
-                             device="cuda")
-    if scheme.is_kivi:
-        cache, pool = cache_and_pool_with_prefix(batch, gen, "cuda")
-        store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme, staged_keys=pool.staged_keys,
-                 staging_slots=pool.per_token(batch), stage=STAGE_BY_CALLER)
-        own_block = dict(new_keys=batch.key, staged_keys=pool.staged_keys,
-                         sequence_slots=torch.tensor(pool.store_slots, dtype=torch.int32, device="cuda"))
-    else:
-        cache, own_block = cache_with_prefix(batch, scheme, gen, "cuda"), {}
-        store_kv(batch.key, batch.value, cache, batch.slot_mapping, scheme)
-    workspace = SplitWorkspace.allocate(NUM_Q_HEADS, NUM_KV_HEADS, 128, "cuda", scheme.name, max_num_seqs=batch_size)
-    assert workspace.plan(batch_size).splits > 1, "the split rule gives this batch one split: nothing to merge"
-
-    def attend(dependent: bool, out: torch.Tensor) -> torch.Tensor:
-        launch = dataclasses.replace(DECODE_LAUNCH[scheme.name], dependent_merge=dependent)
-        paged_attention(batch.query, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 1,
-                        SOFTMAX_SCALE, scheme, out, workspace=workspace, launch=launch, **own_block)
-        return out
-
-    expected = attend(False, torch.full_like(batch.query, float("nan")))
-    assert not torch.isnan(expected).any()
-    outs = [attend(True, torch.full_like(batch.query, float("nan"))) for _ in range(50)]
-    torch.cuda.synchronize()
-    differing = [i for i, out in enumerate(outs) if not torch.equal(out, expected)]
-    assert not differing, f"dependent merge differs from the merge after the splits in launches {differing}"
-
-    static_out = torch.empty_like(expected)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        attend(True, static_out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attend(True, static_out)
-    for replay in range(20):
-        static_out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, expected), f"CUDA-graph replay {replay} differs"
-
-
 @pytest.mark.parametrize("scheme_name", ["kivi", "saw128"])
 def test_kernels_address_pages_past_4_gib(request, scheme_name):
     """A layer cache larger than 2^32 bytes (a served model with few layers, or the decode benchmark's

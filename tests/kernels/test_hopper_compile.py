@@ -24,16 +24,12 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     # 1; at head_dim 64 the default code path only: attention 3, merge 1, store 1, dense 1; and per head_dim and
     # dtype, KIVI's store with its staging pool also closes over every row and stages (1 + 1) and a second store
     # stages in its own launch and closes over listed rows (store 1, close 1); per scheme, head_dim and dtype the split
-    # decode with a dependent merge, every tile masked and joint row sums (attention and merge, 12 each), and the
+    # decode with every tile masked and joint row sums (attention and merge, 12 each), and the
     # prefill with unmasked full tiles (attention 12); per int4_saw scheme, head_dim and dtype the split decode with
     # the query rows as the MMA's N (attention and merge, 8 each)
     assert launches == {"_paged_attention_kernel": 72 + 18 + 12 + 12 + 8, "_merge_splits_kernel": 24 + 6 + 12 + 8,
                         "_store_per_token_kernel": 12 + 4, "_kivi_close_kernel": 4 + 4,
                         "_kivi_stage_kernel": 4, "_gather_dense_kernel": 6 + 6}, launches
-    # the dependent merges and the splits that let them launch early
-    dependent = Counter(line.split(":")[0] for line in result.stdout.splitlines()
-                        if "DEPENDENT=True" in line or "LAUNCH_MERGE=True" in line)
-    assert dependent == {"_paged_attention_kernel": 12, "_merge_splits_kernel": 12}, dependent
     unmasked = Counter(line.split(":")[0] for line in result.stdout.splitlines() if "UNMASKED_FULL_TILES=True" in line)
     # DECODE_LAUNCH's wholly seen tiles unmasked: every other decode launch (48 at head_dim 128, 12 at 64), and the
     # prefill's 12

@@ -131,9 +131,9 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             prefill_qsl = torch.tensor([0, 3, 20], dtype=torch.int32)
             attention.paged_attention(q, cache, block_table, seq_lens, prefill_qsl, 17, 0.1, scheme,
                                       torch.empty_like(q), workspace=workspace, launch=prefill_launch, **own_block)
-        # the decode launch with the merge a dependent launch, every tile masked and a tile's row sums in one
-        # reduction (LaunchConfig.dependent_merge, unmasked_full_tiles off, joint_row_sums)
-        optioned = replace(attention.DECODE_LAUNCH[scheme.name], dependent_merge=True, unmasked_full_tiles=False,
+        # the decode launch with every tile masked and a tile's row sums in one reduction
+        # (LaunchConfig.unmasked_full_tiles off, joint_row_sums)
+        optioned = replace(attention.DECODE_LAUNCH[scheme.name], unmasked_full_tiles=False,
                            joint_row_sums=True,
                            subnormal_codes=attention.DECODE_LAUNCH[scheme.name].subnormal_codes
                            and head_dim in attention.SUBNORMAL_HEAD_DIMS)

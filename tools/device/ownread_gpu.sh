@@ -22,7 +22,6 @@ timeout "$TEST_S" python3 -m pytest \
   "tests/kernels/test_attention_kernel.py::test_wide_code_loads_match_the_reference" \
   "tests/kernels/test_attention_kernel.py::test_joint_row_sums_match_the_reference" \
   "tests/kernels/test_attention_kernel.py::test_unmasked_full_tiles_match_the_reference" \
-  "tests/kernels/test_gpu_kernels.py::test_dependent_merge_matches_the_merge_after_the_splits" \
   "tests/kernels/test_gpu_kernels.py::test_cuda_graph_replay_of_store_and_attention_matches_eager" \
   tests/kernels/test_own_block_gpu.py tests/kernels/test_rotation_kernel.py tests/kernels/test_own_block_attention.py \
   tests/kernels/test_own_block_prefill.py \
