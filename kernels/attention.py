@@ -105,23 +105,25 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
 # (`DEPBAR.LE SB0, 0x0`, tools/device/sass_stats.py): no load overlaps the program's own compute. At 5 the next
 # tile's copies stay in flight; 7 change nothing more. Codes read two bytes per element (wide_code_loads) with
 # the register caps that measured fastest with them: int4_saw at 96 fits five programs per SM. The wholly seen tiles
-# unmasked (unmasked_full_tiles): level at short contexts, up to 1.08x at 32k.
+# unmasked (unmasked_full_tiles): level at short contexts, up to 1.08x at 32k. A tile's row sums in one reduction
+# (joint_row_sums): int4_kivi 1.00-1.03x, int4_saw 0.997-1.02x (H100).
 DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
                                            paired_param_loads=True, max_registers=128, wide_code_loads=True,
-                                           unmasked_full_tiles=True),
+                                           unmasked_full_tiles=True, joint_row_sums=True),
                  "int4_saw": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
                                           paired_param_loads=True, max_registers=96, wide_code_loads=True,
-                                          unmasked_full_tiles=True)}
+                                          unmasked_full_tiles=True, joint_row_sums=True)}
 PREFILL_LAUNCH = LaunchConfig(tile=64, num_warps=4, num_stages=2)
 
 
 def kept_launch_options(scheme_name: str) -> dict:
     """The DECODE_LAUNCH fields of a scheme that launch sweeps keep while they vary the tile, warps, stages and code
-    path: how the kernel loads the codes and the parameters, the register cap measured with that, and whether the
-    wholly seen tiles run unmasked."""
+    path: how the kernel loads the codes and the parameters, the register cap measured with that, whether the
+    wholly seen tiles run unmasked and whether a tile's row sums share one reduction."""
     launch = DECODE_LAUNCH[scheme_name]
     return {"paired_param_loads": launch.paired_param_loads, "max_registers": launch.max_registers,
-            "wide_code_loads": launch.wide_code_loads, "unmasked_full_tiles": launch.unmasked_full_tiles}
+            "wide_code_loads": launch.wide_code_loads, "unmasked_full_tiles": launch.unmasked_full_tiles,
+            "joint_row_sums": launch.joint_row_sums}
 
 # The subnormal code path faults (illegal address) on the H200 at head_dim 64, where the biased one passes the GPU
 # tests: a default launch at another head_dim takes the biased codes, an explicit one is refused.

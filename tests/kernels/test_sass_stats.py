@@ -47,13 +47,13 @@ def test_group_as_n_halves_the_mma_and_meets_only_for_the_pipeline(saw_stats, tm
     group_table, group_loops = sass_stats(tmp_path_factory, "int4_saw", options=("--group-as-n",))
     for path in ("biased+ptx", "subnormal+ptx"):
         label = f"int4_saw bf16 {path} 128x4x5 wide"
-        tile_loop, group_loop = loops[f"{label} unmasked"], group_loops[f"{label} group as N"]
+        tile_loop, group_loop = loops[f"{label} unmasked joint sums"], group_loops[f"{label} group as N"]
 
         def count(histogram, prefix):
             return sum(n for name, n in histogram.items() if name.startswith(prefix))
 
         assert 2 * count(group_loop, "HMMA") == count(tile_loop, "HMMA") == 64, (tile_loop, group_loop)
-        row, group_row = table_row(table, f"{label} unmasked"), table_row(group_table, f"{label} group as N")
+        row, group_row = table_row(table, f"{label} unmasked joint sums"), table_row(group_table, f"{label} group as N")
         assert int(group_row["CTA barriers per tile"]) <= 2 < int(row["CTA barriers per tile"]), (row, group_row)
         assert sum(group_loop.values()) < sum(tile_loop.values()), (path, sum(tile_loop.values()),
                                                                     sum(group_loop.values()))
@@ -147,8 +147,9 @@ def test_copies_in_flight_reads_the_pipeline_depth(tmp_path_factory):
     """The column against what the stage count must give: none in flight at 3 stages, some at 5."""
     table, _ = sass_stats(tmp_path_factory, "int4_kivi", "128x4x3", "128x4x5", code_loads="bytes")
     in_flight = {stages: table_row(table, f"int4_kivi bf16 subnormal+ptx {stages}")["copy groups in flight at the wait"]
-                 for stages in ("128x4x3 unmasked", "128x4x5 unmasked")}
-    assert in_flight["128x4x3 unmasked"] == "0" and int(in_flight["128x4x5 unmasked"]) > 0, in_flight
+                 for stages in ("128x4x3 unmasked joint sums", "128x4x5 unmasked joint sums")}
+    assert in_flight["128x4x3 unmasked joint sums"] == "0" and int(in_flight["128x4x5 unmasked joint sums"]) > 0, \
+        in_flight
 
 
 def test_int4_saw_rotates_q_in_a_short_prologue(kivi_decode, saw_stats):
@@ -175,7 +176,7 @@ def test_wide_code_loads_drop_the_operand_moves_and_the_byte_spreading(saw_stats
     table, loops = sass_stats(tmp_path_factory, "int4_saw", "128x4x5", code_loads="bytes")
     for path in ("biased+ptx", "subnormal+ptx"):
         label = f"int4_saw bf16 {path} 128x4x5"
-        narrow, wide = loops[f"{label} unmasked"], wide_loops[f"{label} wide unmasked"]
+        narrow, wide = loops[f"{label} unmasked joint sums"], wide_loops[f"{label} wide unmasked joint sums"]
 
         def count(histogram, prefix):
             return sum(n for name, n in histogram.items() if name.startswith(prefix))
@@ -184,7 +185,8 @@ def test_wide_code_loads_drop_the_operand_moves_and_the_byte_spreading(saw_stats
         assert 16 * count(wide, "PRMT") <= count(narrow, "PRMT"), (narrow, wide)
         assert 3 * count(wide, "IMAD.MOV") < count(narrow, "IMAD.MOV"), (narrow, wide)
         assert sum(wide.values()) < 0.85 * sum(narrow.values()), (path, sum(narrow.values()), sum(wide.values()))
-        narrow_row, wide_row = table_row(table, f"{label} unmasked"), table_row(wide_table, f"{label} wide unmasked")
+        narrow_row, wide_row = (table_row(table, f"{label} unmasked joint sums"),
+                                 table_row(wide_table, f"{label} wide unmasked joint sums"))
         assert int(wide_row["registers"]) <= int(narrow_row["registers"]), (narrow_row, wide_row)
         # at the 96-register cap the unmasked loop keeps one value across the tile in local memory
         assert int(wide_row["spill loads and stores per tile"]) <= 1, wide_row
@@ -201,16 +203,17 @@ def test_dead_mma_rows_fold_away(kivi_decode, saw_stats, tmp_path_factory):
     saw_label = committed_row(saw_table, "int4_saw")["label"]
     kivi_loop, _ = kivi_decode
     for name, loop in (("int4_saw", saw_loops[saw_label]), ("int4_kivi", kivi_loop),
-                       ("int4_saw masked", masked_loops[saw_label.removesuffix(" unmasked")])):
+                       ("int4_saw masked", masked_loops[saw_label.replace(" unmasked", "")])):
         exp2 = sum(n for mnemonic, n in loop.items() if mnemonic.startswith("MUFU.EX2"))
         assert exp2 == 8 + 1, (name, exp2)
 
 
 def test_joint_row_sums_take_a_reduction_round_trip_out_of_the_tile(saw_stats, tmp_path_factory):
-    """A tile's two row sums in one reduction (LaunchConfig.joint_row_sums): the same tensor-core work and about the
-    same instructions, three CTA barriers a tile fewer (each cross-warp reduction is a shared-memory round trip)."""
-    table, loops = saw_stats
-    joint_table, joint_loops = sass_stats(tmp_path_factory, "int4_saw", options=("--joint-row-sums",))
+    """A tile's two row sums in one reduction (LaunchConfig.joint_row_sums, in DECODE_LAUNCH): the same tensor-core
+    work and about the same instructions as two reductions, three CTA barriers a tile fewer (each cross-warp
+    reduction is a shared-memory round trip)."""
+    joint_table, joint_loops = saw_stats
+    table, loops = sass_stats(tmp_path_factory, "int4_saw", options=("--separate-row-sums",))
     for path in ("biased+ptx", "subnormal+ptx"):
         label = f"int4_saw bf16 {path} 128x4x5 wide unmasked"
         row, joint_row = table_row(table, label), table_row(joint_table, f"{label} joint sums")

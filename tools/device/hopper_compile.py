@@ -131,10 +131,10 @@ def launch_all(dtypes=(torch.bfloat16, torch.float16), group: int = 7, num_kv_he
             prefill_qsl = torch.tensor([0, 3, 20], dtype=torch.int32)
             attention.paged_attention(q, cache, block_table, seq_lens, prefill_qsl, 17, 0.1, scheme,
                                       torch.empty_like(q), workspace=workspace, launch=prefill_launch, **own_block)
-        # the decode launch with every tile masked and a tile's row sums in one reduction
-        # (LaunchConfig.unmasked_full_tiles off, joint_row_sums)
+        # the decode launch with every tile masked and a tile's row sums in two reductions
+        # (LaunchConfig.unmasked_full_tiles and joint_row_sums off)
         optioned = replace(attention.DECODE_LAUNCH[scheme.name], unmasked_full_tiles=False,
-                           joint_row_sums=True,
+                           joint_row_sums=False,
                            subnormal_codes=attention.DECODE_LAUNCH[scheme.name].subnormal_codes
                            and head_dim in attention.SUBNORMAL_HEAD_DIMS)
         q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype)

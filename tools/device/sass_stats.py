@@ -16,7 +16,7 @@ half of them the profile measured. Above that bandwidth the instruction count, n
     python tools/device/sass_stats.py                        # every decode launch of both schemes, bf16 and fp16
     python tools/device/sass_stats.py --code-loads bytes     # the same with codes read a byte per element
     python tools/device/sass_stats.py --masked-full-tiles    # the same with every tile masked
-    python tools/device/sass_stats.py --joint-row-sums     # the same with a tile's row sums in one reduction
+    python tools/device/sass_stats.py --separate-row-sums  # the same with a tile's two row sums reduced apart
     python tools/device/sass_stats.py --group-as-n --schemes int4_saw  # the query rows as the MMA's N, per warp
     python tools/device/sass_stats.py --json out.json        # also each loop's histogram of instructions (mnemonics)
 
@@ -219,11 +219,12 @@ def launch_label(launch: attention.LaunchConfig) -> str:
 
 
 def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], code_loads: str | None = None,
-             masked: bool = False, joint_sums: bool = False, group_as_n: bool = False):
+             masked: bool = False, separate_sums: bool = False, group_as_n: bool = False):
     """(label, scheme, query dtype, launch) of every variant to compile: each launch (default: the scheme's
     DECODE_LAUNCH) with each code path; ``code_loads`` "bytes" or "wide": its codes read a byte or two bytes per
     element (None: as the launch does), ``masked``: every tile masked (the launch's wholly seen tiles too),
-    ``joint_sums``: a tile's row sums in one reduction, ``group_as_n``: the query rows as the MMA's N (int4_saw)."""
+    ``separate_sums``: a tile's two row sums in two reductions, ``group_as_n``: the query rows as the MMA's N
+    (int4_saw)."""
     for name in scheme_names:
         scheme = Int4Scheme(name)
         kept = attention.kept_launch_options(name)
@@ -232,8 +233,8 @@ def variants(scheme_names: list[str], dtypes: list[str], launches: list[str], co
                 base = replace(base, wide_code_loads=code_loads == "wide")
             if masked:
                 base = replace(base, unmasked_full_tiles=False)
-            if joint_sums:
-                base = replace(base, joint_row_sums=True)
+            if separate_sums:
+                base = replace(base, joint_row_sums=False)
             if group_as_n:
                 base = base.with_group_as_n()
             for q_dtype in dtypes:
@@ -252,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                              "default: as each launch does")
     parser.add_argument("--masked-full-tiles", action="store_true",
                         help="every tile masked, the wholly seen ones too (LaunchConfig.unmasked_full_tiles off)")
-    parser.add_argument("--joint-row-sums", action="store_true",
-                        help="a tile's two row sums in one reduction (LaunchConfig.joint_row_sums)")
+    parser.add_argument("--separate-row-sums", action="store_true",
+                        help="a tile's two row sums in two reductions (LaunchConfig.joint_row_sums off)")
     parser.add_argument("--group-as-n", action="store_true",
                         help="the query rows as the MMA's N, each warp its own tokens (LaunchConfig.group_as_n; "
                              "int4_saw)")
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, histograms = [], {}
     for label, scheme, q_dtype, launch in variants(args.schemes.split(","), args.dtypes.split(","),
                                                     [t for t in args.launches.split(",") if t], args.code_loads,
-                                                    args.masked_full_tiles, args.joint_row_sums, args.group_as_n):
+                                                    args.masked_full_tiles, args.separate_row_sums, args.group_as_n):
         print(f"[sass] compiling {label} (tile {launch.tile}, {launch.num_warps} warps)", file=sys.stderr)
         kernel = compile_decode(scheme, q_dtype, launch)
         prologue, loop = hottest_loop(*disassemble(kernel.cubin))
