@@ -29,7 +29,7 @@ def sass_stats(tmp_path_factory, scheme_name: str, *launches: str, code_loads: s
     """sass_stats' printed table and loop histograms (label -> mnemonic counts) of a scheme's decode with bf16
     queries, for each code path: at its default launch, or at each of ``launches`` (TILExWARPSxSTAGES);
     ``code_loads``: "bytes" or "wide" (codes read a byte or two bytes per element), None as the launch does;
-    ``options``: more sass_stats flags (e.g. --joint-row-sums)."""
+    ``options``: more sass_stats flags (e.g. --separate-row-sums)."""
     tmp = tmp_path_factory.mktemp(f"sass-{scheme_name}")
     launch_args = ((("--launches", ",".join(launches)) if launches else ())
                    + (("--code-loads", code_loads) if code_loads else ()))
