@@ -1,8 +1,8 @@
 """The per-instance-type serving plan of one model, as a CloudFormation mapping.
 
 The model is fixed when the template is synthesized; the instance type and the scheme are template
-parameters. So every catalog instance type on which the model fits (in int4 and in bf16) gets a row
-with its vLLM settings for each KV format and its capacity estimate, and the template picks its row
+parameters. So every catalog instance type on which the model fits (in both int4 schemes and in bf16) gets a row
+with the vLLM settings of each served scheme and its capacity estimate, and the template picks its row
 with Fn::FindInMap. The rows come from ``s4kv capacity`` (runtime/sizing/capacity.py): one source of truth.
 """
 
@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from constructs_lib import regions
+from s4kv.runtime.schemes import SCHEME_FORMAT
 from s4kv.runtime.sizing import capacity, catalog, model_shapes
 
 MAPPING_NAME = "ServingPlans"
@@ -25,11 +26,15 @@ DOWNLOAD_BYTES_PER_S = 100e6
 BOOT_SAFETY = 1.5
 
 
+# The mapping column with each served scheme's vLLM settings: their tensor and data parallel sizes may differ, and
+# int4_kivi's max_num_seqs is capped by its staging pool (runtime/sizing/capacity.py).
+ARGS_KEYS: dict[str, str] = {"int4_kivi": "KiviArgs", "int4_saw": "SawArgs", "bf16": "Bf16Args"}
+
+
 @dataclass(frozen=True)
 class InstancePlan:
     instance: catalog.InstanceType
-    int4: capacity.Plan
-    bf16: capacity.Plan
+    plans: dict[str, capacity.Plan]  # by served scheme, every one of ARGS_KEYS
     weight_bytes: int
 
     def boot_minutes(self) -> int:
@@ -39,35 +44,39 @@ class InstancePlan:
     def boot_timeout(self) -> str:
         return f"PT{self.boot_minutes()}M"
 
+    def concurrent_requests(self, scheme: str) -> int:
+        """Requests of the plan's context that fit at once, over all replicas, serving ``scheme``."""
+        plan = self.plans[scheme]
+        return plan.for_format(SCHEME_FORMAT[scheme]).concurrent_requests
+
     def mapping_row(self) -> dict[str, str]:
-        rows = {row.kv_format: row for row in self.int4.capacity}
+        kivi, bf16 = self.plans["int4_kivi"], self.plans["bf16"]
         gpus = f"{self.instance.gpu_count}x {self.instance.gpu_model} ({self.instance.gpu_mib} MiB each)"
         return {
             "Gpus": gpus,
-            "Int4Args": " ".join(self.int4.vllm_args()),
-            "Bf16Args": " ".join(self.bf16.vllm_args()),
+            **{key: " ".join(self.plans[scheme].vllm_args()) for scheme, key in ARGS_KEYS.items()},
             "BootTimeout": self.boot_timeout(),
             "ZoneKey": regions.zone_key(self.instance.name),  # its column in the ZoneIds mapping
             "Capacity": (
-                f"{gpus}, tensor parallel {self.int4.tensor_parallel} x data parallel {self.int4.data_parallel}: "
-                f"at {self.int4.context} tokens per request, bf16 KV fits {rows['bf16'].concurrent_requests}, "
-                f"fp8 {rows['fp8'].concurrent_requests}, int4 {rows['int4'].concurrent_requests} concurrent requests"
+                f"{gpus}, tensor parallel {kivi.tensor_parallel} x data parallel {kivi.data_parallel}: "
+                f"at {kivi.context} tokens per request, bf16 KV fits {self.concurrent_requests('bf16')}, "
+                f"fp8 {bf16.for_format('fp8').concurrent_requests}, int4_kivi {self.concurrent_requests('int4_kivi')}, "
+                f"int4_saw {self.concurrent_requests('int4_saw')} concurrent requests"
             ),
         }
 
 
 def plans_for(model_id: str, max_model_len: int) -> dict[str, InstancePlan]:
-    """Every catalog instance type the model fits on, in catalog order."""
+    """Every catalog instance type the model fits on in every served scheme, in catalog order."""
     model = model_shapes.load(model_id)
     context = min(max_model_len, model.max_position_embeddings)
     plans = {}
     for instance in catalog.CATALOG.values():
         try:
-            int4 = capacity.plan(model, instance, "int4_kivi", context)
-            bf16 = capacity.plan(model, instance, "bf16", context)
+            by_scheme = {scheme: capacity.plan(model, instance, scheme, context) for scheme in ARGS_KEYS}
         except capacity.DoesNotFit:
             continue
-        plans[instance.name] = InstancePlan(instance, int4, bf16, model.weight_bytes)
+        plans[instance.name] = InstancePlan(instance, by_scheme, model.weight_bytes)
     if not plans:
         raise ValueError(f"{model_id} fits on no instance type of the catalog (or is not an S4 KV model: head_dim 128)")
     return plans

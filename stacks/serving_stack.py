@@ -51,6 +51,8 @@ class GpuServingStack(Stack):
         p = self._parameters(settings, plans, marketplace)
 
         is_bf16 = CfnCondition(self, "IsBf16", expression=Fn.condition_equals(p["Scheme"].value_as_string, "bf16"))
+        is_saw = CfnCondition(self, "IsInt4Saw",
+                              expression=Fn.condition_equals(p["Scheme"].value_as_string, "int4_saw"))
         zone_given = CfnCondition(self, "ZoneGiven", expression=Fn.condition_not(
             Fn.condition_equals(p["AvailabilityZone"].value_as_string, "")))
         plan_table = CfnMapping(self, serving_plan.MAPPING_NAME, mapping=serving_plan.mapping(plans))
@@ -81,7 +83,10 @@ class GpuServingStack(Stack):
                           secret_arns=[api_key.secret_arn, Token.as_string(
                               Fn.condition_if(has_hf_token.logical_id, hf_token, Aws.NO_VALUE))],
                           artifact_statement=artifacts.read_statement() if artifacts else None)
-        vllm_args = Token.as_string(Fn.condition_if(is_bf16.logical_id, plan_value("Bf16Args"), plan_value("Int4Args")))
+        args_key = serving_plan.ARGS_KEYS
+        vllm_args = Token.as_string(Fn.condition_if(
+            is_bf16.logical_id, plan_value(args_key["bf16"]),
+            Fn.condition_if(is_saw.logical_id, plan_value(args_key["int4_saw"]), plan_value(args_key["int4_kivi"]))))
         image = p["ImageId"] if marketplace else p["DeepLearningAmi"]
         signal_resource = ServerInstance.LOGICAL_ID  # the resource the boot script signals
         variables = {

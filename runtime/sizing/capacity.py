@@ -7,7 +7,10 @@ KV cache in bf16, fp8 and int4. The CDK app renders the same plan into its user 
 
 KV bytes per token, per layer and KV head: bf16 4*head_dim, fp8 2*head_dim, int4 head_dim + 8
 (both S4 KV schemes and vLLM's int4_per_token_head: 136 at head_dim 128, 72 at 64; kernels/layout.py). vLLM
-pages hold 16 tokens for bf16/fp8 and 128 for int4, so a request occupies whole pages. No torch or vLLM import.
+pages hold 16 tokens for bf16/fp8 and 128 for int4, so a request occupies whole pages. int4_kivi also keeps a
+staging pool beside the cache, one int4 page of original keys per ``max_num_seqs`` slot in every layer, taken from
+the same memory budget; the plan sets ``max_num_seqs`` so that pool takes at most KIVI_STAGING_SHARE of it. No torch
+or vLLM import.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from s4kv.runtime.schemes import (DEFAULT_SCHEME, KV_FORMATS, SCHEME_FORMAT, SUPPORTED_HEAD_DIMS, KvFormat,
+from s4kv.runtime.schemes import (DEFAULT_SCHEME, KIVI, KV_FORMATS, SCHEME_FORMAT, SUPPORTED_HEAD_DIMS, KvFormat,
                                   ServedScheme)
 from s4kv.runtime.sizing import catalog, model_shapes
 
@@ -27,6 +30,16 @@ GPU_MEMORY_UTILIZATION = 0.90
 RUNTIME_RESERVE_MIB = 2048
 MIN_MODEL_LEN = 4096  # below this a deployment is not useful for chat; the instance does not fit
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+# int4_kivi's staging pool holds each running sequence's open page of keys in the model's 16-bit dtype: per slot
+# 128 x head_dim x 2 bytes a layer and KV head, the room of about 240 int4 tokens at head_dim 128. At vLLM's default
+# max_num_seqs it would take 64% of a 24 GB card's KV budget for an 8B model (256 slots) and 14% of an 80 GB one's
+# (1,024), so the plan caps max_num_seqs at the slots that fit this share of the budget: int4_kivi then keeps at
+# least 7/8 of int4's tokens (3.29x bf16's at head_dim 128).
+KIVI_STAGING_SHARE = 1 / 8
+STAGED_KEY_BYTES = 2  # bf16 or fp16, the model's dtype
+# A multiple of 16 is one of vLLM's CUDA-graph capture sizes (steps of 8 to 256, of 16 beyond), so the largest
+# decode batch replays a full graph without extra capture sizes (runtime/plugin/cuda_graphs.py).
+MAX_NUM_SEQS_STEP = 16
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,8 @@ class Plan:
     data_parallel: int
     max_model_len: int
     gpu_memory_utilization: float
+    max_num_seqs: int
+    staging_bytes_per_gpu: int  # int4_kivi's staging pool, else 0
     weight_bytes: int
     capacity: tuple[FormatCapacity, ...]
 
@@ -56,6 +71,7 @@ class Plan:
             "--data-parallel-size", str(self.data_parallel),
             "--max-model-len", str(self.max_model_len),
             "--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}",
+            "--max-num-seqs", str(self.max_num_seqs),
         ]
 
     def for_format(self, kv_format: str) -> FormatCapacity:
@@ -80,14 +96,46 @@ def _kv_pool_bytes_per_gpu(model, instance, tp: int, gmu: float) -> int:
     return int(budget - model.weight_bytes / tp)
 
 
-def _blocks_per_gpu(model, instance, tp: int, gmu: float, fmt: KvFormat) -> int:
+def vllm_default_max_num_seqs(instance: catalog.InstanceType) -> int:
+    """vLLM 0.26's max_num_seqs for its OpenAI server on the instance's GPU (``EngineArgs.get_batch_defaults``):
+    1,024 on GPUs of at least 70 GiB other than the A100, else 256."""
+    large = instance.gpu_mib * catalog.MIB >= 70 * 2**30 and "a100" not in instance.gpu_model.lower()
+    return 1024 if large else 256
+
+
+def staging_bytes_per_slot(model: model_shapes.ModelShape, tp: int) -> int:
+    """One slot of int4_kivi's staging pool on one GPU: an int4 page of 16-bit keys in every layer and KV head
+    (runtime/plugin/backend.py allocates ``max_num_seqs`` of them)."""
+    kv_heads_per_gpu = math.ceil(model.num_kv_heads / tp)
+    return KV_FORMATS["int4"].block_size * model.num_layers * kv_heads_per_gpu * model.head_dim * STAGED_KEY_BYTES
+
+
+def _max_num_seqs(model, instance, tp: int, gmu: float, scheme: ServedScheme) -> int:
+    """vLLM's default, or for int4_kivi the most slots (a multiple of MAX_NUM_SEQS_STEP, at least one step) whose
+    staging pool fits KIVI_STAGING_SHARE of the KV budget, if fewer."""
+    default = vllm_default_max_num_seqs(instance)
+    if scheme != KIVI:
+        return default
+    room = int(_kv_pool_bytes_per_gpu(model, instance, tp, gmu) * KIVI_STAGING_SHARE) // staging_bytes_per_slot(
+        model, tp)
+    return max(MAX_NUM_SEQS_STEP, min(default, room // MAX_NUM_SEQS_STEP * MAX_NUM_SEQS_STEP))
+
+
+def _staging_bytes_per_gpu(model, instance, tp: int, gmu: float, scheme: ServedScheme) -> int:
+    if scheme != KIVI:
+        return 0
+    return _max_num_seqs(model, instance, tp, gmu, scheme) * staging_bytes_per_slot(model, tp)
+
+
+def _blocks_per_gpu(model, instance, tp: int, gmu: float, fmt: KvFormat, staging_bytes: int = 0) -> int:
     kv_heads_per_gpu = math.ceil(model.num_kv_heads / tp)
     block_bytes = fmt.block_size * model.num_layers * kv_heads_per_gpu * fmt.bytes_per_head_token(model.head_dim)
-    return max(0, _kv_pool_bytes_per_gpu(model, instance, tp, gmu) // block_bytes)
+    return max(0, (_kv_pool_bytes_per_gpu(model, instance, tp, gmu) - staging_bytes) // block_bytes)
 
 
-def _format_capacity(model, instance, tp: int, dp: int, gmu: float, fmt: KvFormat, context: int) -> FormatCapacity:
-    blocks = _blocks_per_gpu(model, instance, tp, gmu, fmt)
+def _format_capacity(model, instance, tp: int, dp: int, gmu: float, fmt: KvFormat, context: int,
+                     staging_bytes: int) -> FormatCapacity:
+    blocks = _blocks_per_gpu(model, instance, tp, gmu, fmt, staging_bytes)
     per_request = math.ceil(context / fmt.block_size)
     return FormatCapacity(
         kv_format=fmt.name,
@@ -126,8 +174,11 @@ def plan(
         raise DoesNotFit(
             f"{model.name}: {model.num_heads} attention heads cannot be split over {instance.gpu_count} GPUs")
 
+    def staging(tp: int) -> int:
+        return _staging_bytes_per_gpu(model, instance, tp, gpu_memory_utilization, scheme)
+
     def tokens(tp: int) -> int:
-        return _blocks_per_gpu(model, instance, tp, gpu_memory_utilization, fmt) * fmt.block_size
+        return _blocks_per_gpu(model, instance, tp, gpu_memory_utilization, fmt, staging(tp)) * fmt.block_size
 
     fitting = [size for size in sizes if tokens(size) >= target]
     if not fitting:
@@ -138,7 +189,7 @@ def plan(
         # The model needs several GPUs: of the layouts that hold a request, the one with the most concurrent
         # requests (larger tensor parallel sizes split the weights further, leaving more room for KV).
         def concurrent(size: int) -> int:
-            blocks = _blocks_per_gpu(model, instance, size, gpu_memory_utilization, fmt)
+            blocks = _blocks_per_gpu(model, instance, size, gpu_memory_utilization, fmt, staging(size))
             return blocks // math.ceil(target / fmt.block_size) * (instance.gpu_count // size)
 
         tp = max(fitting, key=lambda size: (concurrent(size), -size))
@@ -150,11 +201,13 @@ def plan(
         )
     dp = instance.gpu_count // tp
     rows = tuple(
-        _format_capacity(model, instance, tp, dp, gpu_memory_utilization, KV_FORMATS[name], max_model_len)
+        _format_capacity(model, instance, tp, dp, gpu_memory_utilization, KV_FORMATS[name], max_model_len,
+                         staging(tp) if name == SCHEME_FORMAT[scheme] else 0)
         for name in KV_FORMATS
     )
-    return Plan(model.name, instance.name, scheme, max_model_len, tp, dp, max_model_len,
-                gpu_memory_utilization, model.weight_bytes, rows)
+    return Plan(model.name, instance.name, scheme, max_model_len, tp, dp, max_model_len, gpu_memory_utilization,
+                _max_num_seqs(model, instance, tp, gpu_memory_utilization, scheme), staging(tp), model.weight_bytes,
+                rows)
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -185,6 +238,9 @@ def _report(plan_: Plan, model: model_shapes.ModelShape, instance: catalog.Insta
         ratio = f"{row.concurrent_requests / bf16:.2f}x" if bf16 else "-"
         lines.append(f"{row.kv_format:<10}{row.bytes_per_token:>12}{row.tokens_per_replica:>16}"
                      f"{row.concurrent_requests:>20}{ratio:>9}")
+    if plan_.staging_bytes_per_gpu:
+        lines.append(f"int4 row: after int4_kivi's staging pool of {plan_.max_num_seqs} slots (max_num_seqs), "
+                     f"{plan_.staging_bytes_per_gpu / 2**30:.2f} GiB per GPU")
     lines.append(f"vLLM settings for {plan_.scheme}: {' '.join(plan_.vllm_args())}")
     served = "MODEL" if model.name.endswith(".json") else model.name  # a bare config.json is not servable
     command = f"s4kv serve {served} --scheme {plan_.scheme}"  # bf16 too: the same server, key and exit statuses

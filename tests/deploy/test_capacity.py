@@ -75,11 +75,48 @@ def test_capacity_counts_whole_pages_in_the_kv_pool():
     pool = g6.gpu_mib * 2**20 * 0.9 - capacity.RUNTIME_RESERVE_MIB * 2**20 - qwen.weight_bytes
     for row in plan.capacity:
         block = capacity.KV_FORMATS[row.kv_format].block_size
-        blocks = int(pool) // (block * row.bytes_per_token)
+        staging = plan.staging_bytes_per_gpu if row.kv_format == "int4" else 0  # int4_kivi's pool: its format only
+        blocks = (int(pool) - staging) // (block * row.bytes_per_token)
         assert row.tokens_per_replica == blocks * block
         assert row.concurrent_requests == blocks // (8192 // block)
-    ratio = plan.for_format("int4").concurrent_requests / plan.for_format("bf16").concurrent_requests
-    assert 3.5 < ratio < 4.5  # 512/136 = 3.76 more tokens, quantised to whole requests
+    saw = capacity.plan(qwen, g6, "int4_saw", 8192)
+    assert saw.staging_bytes_per_gpu == 0
+    for scheme_plan in (plan, saw):
+        ratio = scheme_plan.for_format("int4").concurrent_requests / scheme_plan.for_format("bf16").concurrent_requests
+        assert 3.2 < ratio < 4.5  # 512/136 = 3.76 more tokens (at least 7/8 of it for int4_kivi), whole requests
+
+
+def test_vllm_default_max_num_seqs_follows_the_gpu():
+    # vLLM 0.26 EngineArgs.get_batch_defaults: 1,024 from 70 GiB unless an A100, else 256
+    assert {name: capacity.vllm_default_max_num_seqs(catalog.instance_type(name))
+            for name in ("g5.xlarge", "g6e.xlarge", "p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge")} == {
+        "g5.xlarge": 256, "g6e.xlarge": 256, "p4d.24xlarge": 256, "p4de.24xlarge": 256, "p5.48xlarge": 1024}
+
+
+@pytest.mark.parametrize("model_id", ["meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-7B-Instruct"])
+@pytest.mark.parametrize("instance_name", ["g5.xlarge", "g6e.xlarge", "p5.48xlarge"])
+def test_int4_kivi_caps_max_num_seqs_by_its_staging_pool(model_id, instance_name):
+    model = model_shapes.load(model_id)
+    instance = catalog.instance_type(instance_name)
+    kivi = capacity.plan(model, instance, "int4_kivi", 8192)
+    saw = capacity.plan(model, instance, "int4_saw", 8192)
+    assert kivi.tensor_parallel == saw.tensor_parallel == 1
+    slot = capacity.KV_FORMATS["int4"].block_size * model.num_layers * model.num_kv_heads * model.head_dim * 2
+    assert capacity.staging_bytes_per_slot(model, 1) == slot
+    assert kivi.staging_bytes_per_gpu == kivi.max_num_seqs * slot
+    budget = instance.gpu_mib * 2**20 * 0.9 - capacity.RUNTIME_RESERVE_MIB * 2**20 - model.weight_bytes
+    default = capacity.vllm_default_max_num_seqs(instance)
+    assert kivi.max_num_seqs % 16 == 0 and kivi.max_num_seqs <= default == saw.max_num_seqs
+    assert kivi.staging_bytes_per_gpu <= budget / 8
+    if kivi.max_num_seqs < default:  # the most slots the share holds
+        assert (kivi.max_num_seqs + 16) * slot > budget / 8
+    assert kivi.vllm_args()[-2:] == ["--max-num-seqs", str(kivi.max_num_seqs)]
+    kivi_tokens = kivi.for_format("int4").tokens_per_replica
+    saw_tokens = saw.for_format("int4").tokens_per_replica
+    assert kivi_tokens == (int(budget) - kivi.staging_bytes_per_gpu) // (128 * model.num_layers * model.num_kv_heads
+                                                                        * 136) * 128
+    assert 7 / 8 * saw_tokens - 128 <= kivi_tokens < saw_tokens
+    assert kivi.for_format("bf16") == saw.for_format("bf16")  # the pool is int4_kivi's alone
 
 
 def test_tensor_parallel_only_when_weights_do_not_fit_one_gpu():
@@ -91,9 +128,12 @@ def test_tensor_parallel_only_when_weights_do_not_fit_one_gpu():
     # TP 4 holds a 32k request, but TP 8 leaves each GPU 1/8 of the weights and far more KV: more requests.
     assert (big.tensor_parallel, big.data_parallel) == (8, 1)
     assert big.vllm_args() == ["--tensor-parallel-size", "8", "--data-parallel-size", "1",
-                               "--max-model-len", "32768", "--gpu-memory-utilization", "0.9"]
-    layouts = {tp: capacity._blocks_per_gpu(llama70, catalog.instance_type("p4d.24xlarge"), tp, 0.9,
-                                            capacity.KV_FORMATS["int4"]) // (32768 // 128) * (8 // tp) for tp in (4, 8)}
+                               "--max-model-len", "32768", "--gpu-memory-utilization", "0.9",
+                               "--max-num-seqs", str(big.max_num_seqs)]
+    p4d = catalog.instance_type("p4d.24xlarge")
+    layouts = {tp: capacity._blocks_per_gpu(llama70, p4d, tp, 0.9, capacity.KV_FORMATS["int4"],
+                                            capacity._staging_bytes_per_gpu(llama70, p4d, tp, 0.9, "int4_kivi"))
+               // (32768 // 128) * (8 // tp) for tp in (4, 8)}
     assert big.for_format("int4").concurrent_requests == layouts[8] > layouts[4] >= 1
     with pytest.raises(capacity.DoesNotFit):
         capacity.plan(llama70, catalog.instance_type("g6.xlarge"), "int4_kivi", 8192)

@@ -21,6 +21,7 @@ moto_server = pytest.importorskip("moto.server")
 pytestmark = pytest.mark.filterwarnings("ignore:Tried to parse AWS")  # moto: no CFN secrets
 boto3 = pytest.importorskip("boto3")
 
+from constructs_lib.serving_plan import ARGS_KEYS  # noqa: E402
 from stacks.serving_stack import DLAMI_SSM_PARAMETER as DLAMI_PARAMETER  # noqa: E402
 CIDR = "203.0.113.7/32"
 # Where the exported template's instance would fetch the runtime (test_boot.py boots from real ones).
@@ -148,7 +149,7 @@ def test_create_update_delete_of_the_exported_template(moto, api_key_arn):
     outputs = {o["OutputKey"]: o["OutputValue"] for o in stack["Outputs"]}
     assert outputs["ApiKeySecret"] == api_key_arn
     assert outputs["VllmSettings"] == ("--tensor-parallel-size 1 --data-parallel-size 4 --max-model-len 32768 "
-                                       "--gpu-memory-utilization 0.9")
+                                       "--gpu-memory-utilization 0.9 --max-num-seqs 256")
     assert outputs["InstanceId"] == instance["InstanceId"] and outputs["Endpoint"].endswith(":8000/v1")
     assert f"--secret-id {api_key_arn}" in outputs["GetApiKeyCommand"]
     user_data = _user_data(moto, "s4kv")
@@ -188,7 +189,7 @@ def test_rendered_user_data_starts_the_server_with_each_instance_types_flags(mot
         user_data = _user_data(moto, name)
         assert _env_value(user_data, "S4KV_SCHEME") == scheme
         assert _env_value(user_data, "S4KV_MODEL") == "Qwen/Qwen2.5-7B-Instruct"
-        assert _env_value(user_data, "S4KV_VLLM_ARGS") == row["Bf16Args" if scheme == "bf16" else "Int4Args"]
+        assert _env_value(user_data, "S4KV_VLLM_ARGS") == row[ARGS_KEYS[scheme]]
         assert 'exec "$S4KV_HOME/venv/bin/s4kv" serve "$S4KV_MODEL" --scheme "$S4KV_SCHEME"' in user_data
         _delete(moto, name)
 

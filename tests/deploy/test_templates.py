@@ -11,6 +11,7 @@ import pytest
 import yaml
 from aws_cdk.assertions import Template
 
+from constructs_lib.serving_plan import ARGS_KEYS
 from deploy_support import REGIONS, REPO
 
 SERVING = ("S4kvServing", "S4kvServingMarketplace")
@@ -219,11 +220,13 @@ def test_mapping_rows_are_the_capacity_plans(synthesis):
     plans = synthesis.template("S4kvServing")["Mappings"]["ServingPlans"]
     assert list(plans) == synthesis.template("S4kvServing")["Parameters"]["InstanceType"]["AllowedValues"]
     for name, row in plans.items():
-        int4 = capacity.plan(model, catalog.instance_type(name), "int4_kivi", 32768)
-        bf16 = capacity.plan(model, catalog.instance_type(name), "bf16", 32768)
-        assert row["Int4Args"] == " ".join(int4.vllm_args())
-        assert row["Bf16Args"] == " ".join(bf16.vllm_args())
-        assert f"int4 {int4.for_format('int4').concurrent_requests} concurrent" in row["Capacity"]
+        for scheme, key in ARGS_KEYS.items():
+            assert row[key] == " ".join(capacity.plan(model, catalog.instance_type(name), scheme, 32768).vllm_args())
+        kivi = capacity.plan(model, catalog.instance_type(name), "int4_kivi", 32768)
+        saw = capacity.plan(model, catalog.instance_type(name), "int4_saw", 32768)
+        assert (f"int4_kivi {kivi.for_format('int4').concurrent_requests}, "
+                f"int4_saw {saw.for_format('int4').concurrent_requests} concurrent") in row["Capacity"]
+        assert kivi.for_format("int4").concurrent_requests <= saw.for_format("int4").concurrent_requests
 
 
 def test_exported_templates_have_no_cdk_bootstrap_or_metadata(synthesis):
