@@ -93,6 +93,19 @@ def test_vllm_default_max_num_seqs_follows_the_gpu():
         "g5.xlarge": 256, "g6e.xlarge": 256, "p4d.24xlarge": 256, "p4de.24xlarge": 256, "p5.48xlarge": 1024}
 
 
+def test_staging_slot_bytes_are_the_plugins_pool():
+    """The planner's slot is what the backend allocates per max_num_seqs slot, summed over the layers."""
+    torch = pytest.importorskip("torch")
+    from s4kv.kernels.layout import KIVI_BLOCK_SIZE
+    from s4kv.kernels.staging import allocate_pool
+
+    model = model_shapes.load("meta-llama/Llama-3.1-70B-Instruct")
+    for tp in (1, 2, 8):
+        heads = -(-model.num_kv_heads // tp)
+        pool = allocate_pool(3, heads, KIVI_BLOCK_SIZE, model.head_dim, torch.bfloat16, "meta")  # one layer's
+        assert pool.nbytes * model.num_layers == 3 * capacity.staging_bytes_per_slot(model, tp)
+
+
 @pytest.mark.parametrize("model_id", ["meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-7B-Instruct"])
 @pytest.mark.parametrize("instance_name", ["g5.xlarge", "g6e.xlarge", "p5.48xlarge"])
 def test_int4_kivi_caps_max_num_seqs_by_its_staging_pool(model_id, instance_name):
