@@ -37,8 +37,8 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 # least 7/8 of int4's tokens (3.29x bf16's at head_dim 128).
 KIVI_STAGING_SHARE = 1 / 8
 STAGED_KEY_BYTES = 2  # bf16 or fp16, the model's dtype
-# A multiple of 16 is one of vLLM's CUDA-graph capture sizes (steps of 8 to 256, of 16 beyond), so the largest
-# decode batch replays a full graph without extra capture sizes (runtime/plugin/cuda_graphs.py).
+# Up to 512, a multiple of 16 is one of vLLM's default CUDA-graph capture sizes (steps of 8 to 256, then of 16), so
+# the largest decode batch replays a full graph without an extra capture size (runtime/plugin/cuda_graphs.py).
 MAX_NUM_SEQS_STEP = 16
 
 
