@@ -1,14 +1,14 @@
 """Results of `s4kv bench`: parse engine logs, merge runs from several calls, build the table with ratios.
 
 A results document is ``{"meta": {...}, "runs": [run, ...]}``; a run is one engine process (or the replicas of a
-data-parallel run): ``{"format", "model", "engine": EngineSettings.as_dict(), "workloads": [names],
-"status": "ok" | "failed" | "skipped", "kv_cache_tokens", "startup_s", "results": {workload: {"wall_s",
-"output_tok_s", ...}}, "error", "call"}``. Runs from several device calls are concatenated, each tagged with its
-call (its document's date and place in the merge). A cell with several ok runs shows the median value and the median of
-each run's ratio to the baseline measured in the same call: speed differs from one machine to the next by more than
-the differences measured here, so a ratio is only taken across calls when the call has no baseline run (marked).
-Rows of one GPU keep their plain keys ("short", "kv:gmu0.90-seqs256"); a parallel layout adds "@tp2" / "-tp2", and a
-document with several models adds ":model".
+data-parallel run): ``{"format", "model", "engine": EngineSettings.as_dict(), "workloads": [names], "status": "ok" |
+"failed" | "skipped", "kv_cache_tokens", "staging_room_tokens" (int4_kivi), "startup_s", "results": {workload:
+{"wall_s", "output_tok_s", ...}}, "error", "call"}``. Runs from several device calls are concatenated, each tagged
+with its call (its document's date and place in the merge). A cell with several ok runs shows the median value and
+the median of each run's ratio to the baseline measured in the same call: speed differs from one machine to the next
+by more than the differences measured here, so a ratio is only taken across calls when the call has no baseline run
+(marked). Rows of one GPU keep their plain keys ("short", "kv:gmu0.90-seqs256"); a parallel layout adds "@tp2" /
+"-tp2", and a document with several models adds ":model".
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ WALL_TARGET = 1.0
 CAPACITY_TARGET = 3.7
 OTHER_CALL_MARK = " †"
 JIT_MONITOR_LINE = re.compile(r"Triton kernel JIT compilation during inference: (\w+)")
+# The plugin's start-up line for int4_kivi's staging pool (runtime/plugin/backend.py)
+STAGING_POOL_LINE = re.compile(r"int4_kivi staging pool: (\d+) slots .* the room of (\d+) int4 tokens")
 
 
 def parse_kv_cache_tokens(log: str) -> int | None:
@@ -60,6 +62,28 @@ def jit_note(runs: list[dict[str, Any]]) -> str:
         where = f" ({Path(log).name})" if isinstance(log, str) else ""
         lines.append(f"- {label}{where}: " + ", ".join(f"`{name}`" for name in run["jit_compiled"]))
     return "\n".join(lines) + "\n"
+
+
+def parse_staging_room(log: str) -> int | None:
+    """The int4 tokens of KV cache that int4_kivi's staging pool takes the room of, as the plugin logs it; None
+    without the line (another format)."""
+    match = STAGING_POOL_LINE.search(log)
+    return int(match.group(2)) if match else None
+
+
+def staging_note(runs: list[dict[str, Any]]) -> str:
+    """One line per int4_kivi engine whose log gave its staging pool: the tokens the pool takes the room of, beside
+    the cache's (the capacity row counts the cache alone, which is what the engine can hold)."""
+    lines = []
+    for run in runs:
+        room, tokens = run.get("staging_room_tokens"), run.get("kv_cache_tokens")
+        if run.get("status") != "ok" or room is None or tokens is None:
+            continue
+        engine = EngineSettings(**run["engine"])
+        lines.append(f"int4_kivi's staging pool at max_num_seqs {engine.max_num_seqs} (gmu "
+                     f"{engine.gpu_memory_utilization:.2f}) takes the room of {room:,} int4 tokens: "
+                     f"{tokens:,} in the cache, {tokens + room:,} with the pool's room.")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def parse_engine_result(log: str) -> dict[str, Any] | None:

@@ -291,7 +291,8 @@ def _read_record(log_path: Path, error: str | None) -> dict:
     text = log_path.read_text(errors="replace")
     payload = bench_report.parse_engine_result(text)
     record = {"kv_cache_tokens": bench_report.parse_kv_cache_tokens(text), "log": str(log_path),
-              "jit_compiled": bench_report.parse_jit_compiled(text)}
+              "jit_compiled": bench_report.parse_jit_compiled(text),
+              "staging_room_tokens": bench_report.parse_staging_room(text)}
     # A printed result stands even if the process then failed to shut down cleanly: the numbers were taken.
     if payload is None:
         lines = [line for line in text.splitlines() if line.strip()]
@@ -313,6 +314,7 @@ def combine_replicas(records: list[dict]) -> dict:
     all output tokens over the interval from the first replica's start to the last one's end."""
     kv = [r.get("kv_cache_tokens") for r in records]
     base = {"kv_cache_tokens": min(kv) if all(v is not None for v in kv) else None, "kv_cache_tokens_replicas": kv,
+            "staging_room_tokens": records[0].get("staging_room_tokens"),  # the same settings on every replica
             "log": [r["log"] for r in records],
             "jit_compiled": [name for r in records for name in r.get("jit_compiled", [])]}
     bad = [(i, r) for i, r in enumerate(records) if r["status"] != "ok"]
@@ -377,10 +379,11 @@ def write_outputs(doc: dict, out: Path) -> None:
     meta = doc.get("meta", {})
     title = f"s4kv bench on {meta.get('gpu', 'unknown GPU')}, vLLM {meta.get('vllm', '?')}, {meta.get('date', '')}"
     (out / "results.json").write_text(json.dumps(doc, indent=1))
-    jit = bench_report.jit_note(doc.get("runs", []))
-    (out / "table.md").write_text(f"{title}\n\n{table}" + (f"\n{jit}" if jit else ""))
+    notes = "".join(f"\n{note}" for note in (bench_report.staging_note(doc.get("runs", [])),
+                                              bench_report.jit_note(doc.get("runs", []))) if note)
+    (out / "table.md").write_text(f"{title}\n\n{table}{notes}")
     (out / "plot.svg").write_text(render_svg(rows, title))
-    print(f"\n{title}\n\n{table}" + (f"\n{jit}" if jit else ""))
+    print(f"\n{title}\n\n{table}{notes}")
     for fmt in ("s4kv_kivi", "s4kv_saw"):
         verdicts = bench_report.target_check(rows, fmt)
         if verdicts:

@@ -182,3 +182,20 @@ def test_the_jit_note_names_each_engines_compiled_kernels_or_says_none():
     assert note.splitlines()[1:] == ["- s4kv int4_kivi (s4kv_kivi-gmu0.90-seqs256.log): `_compute_slot_mapping_kernel`"]
     assert bench_report.jit_note([bf16]).endswith("(vLLM's JIT monitor): none.\n")
     assert bench_report.jit_note([{"format": "bf16_fa3"}]) == ""  # runs saved before it was recorded
+
+
+def test_the_staging_note_gives_int4_kivis_pool_beside_its_cache():
+    # the plugin's line as an H100 engine logged it (Llama-3.1-8B shape, max_num_seqs 1,024)
+    line = ("(EngineCore pid=2351) INFO 12-06 16:17:21 [backend.py:382] S4 KV int4_kivi staging pool: 1024 slots "
+            "(max_num_seqs) x 8 KV heads x 128 x 128 bfloat16 = 256.0 MiB per attention layer, the room of 246723 "
+            "int4 tokens of KV cache per layer")
+    assert bench_report.parse_staging_room(engine_log(1_409_280, None) + line + "\n") == 246_723
+    assert bench_report.parse_staging_room(engine_log(444_928, None)) is None
+    kivi = {**run_record("s4kv_kivi", 1_409_280, {}), "staging_room_tokens": 246_723}
+    saw = {**run_record("s4kv_saw", 1_675_008, {}), "staging_room_tokens": None}
+    failed = {**run_record("s4kv_kivi", 0, {}, status="failed"), "staging_room_tokens": 246_723}
+    assert bench_report.staging_note([saw, kivi, failed]) == (
+        f"int4_kivi's staging pool at max_num_seqs {FULL_CARD.max_num_seqs} (gmu "
+        f"{FULL_CARD.gpu_memory_utilization:.2f}) takes the room of 246,723 int4 tokens: 1,409,280 in the cache, "
+        "1,656,003 with the pool's room.\n")
+    assert bench_report.staging_note([saw, {"format": "s4kv_kivi", "status": "ok"}]) == ""  # runs saved before
