@@ -103,11 +103,16 @@ def vllm_default_max_num_seqs(instance: catalog.InstanceType) -> int:
     return 1024 if large else 256
 
 
+def _kv_heads_per_gpu(model: model_shapes.ModelShape, tp: int) -> int:
+    # vLLM splits the KV heads over the tensor-parallel ranks, or replicates one per rank when there are fewer
+    return math.ceil(model.num_kv_heads / tp)
+
+
 def staging_bytes_per_slot(model: model_shapes.ModelShape, tp: int) -> int:
     """One slot of int4_kivi's staging pool on one GPU: an int4 page of 16-bit keys in every layer and KV head
     (runtime/plugin/backend.py allocates ``max_num_seqs`` of them)."""
-    kv_heads_per_gpu = math.ceil(model.num_kv_heads / tp)
-    return KV_FORMATS["int4"].block_size * model.num_layers * kv_heads_per_gpu * model.head_dim * STAGED_KEY_BYTES
+    return (KV_FORMATS["int4"].block_size * model.num_layers * _kv_heads_per_gpu(model, tp) * model.head_dim
+            * STAGED_KEY_BYTES)
 
 
 def _max_num_seqs(model, instance, tp: int, gmu: float, scheme: ServedScheme) -> int:
@@ -128,8 +133,8 @@ def _staging_bytes_per_gpu(model, instance, tp: int, gmu: float, scheme: ServedS
 
 
 def _blocks_per_gpu(model, instance, tp: int, gmu: float, fmt: KvFormat, staging_bytes: int = 0) -> int:
-    kv_heads_per_gpu = math.ceil(model.num_kv_heads / tp)
-    block_bytes = fmt.block_size * model.num_layers * kv_heads_per_gpu * fmt.bytes_per_head_token(model.head_dim)
+    block_bytes = (fmt.block_size * model.num_layers * _kv_heads_per_gpu(model, tp)
+                   * fmt.bytes_per_head_token(model.head_dim))
     return max(0, (_kv_pool_bytes_per_gpu(model, instance, tp, gmu) - staging_bytes) // block_bytes)
 
 
