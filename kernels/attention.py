@@ -106,7 +106,7 @@ CODE_PATHS = {"biased": {"subnormal_codes": False, "ptx_unpack": False},
 # tile's copies stay in flight; 7 change nothing more. Codes read two bytes per element (wide_code_loads) with
 # the register caps that measured fastest with them: int4_saw at 96 fits five programs per SM. The wholly seen tiles
 # unmasked (unmasked_full_tiles): level at short contexts, up to 1.08x at 32k. A tile's row sums in one reduction
-# (joint_row_sums): int4_kivi 1.00-1.03x, int4_saw 0.997-1.02x (H100).
+# (joint_row_sums): int4_kivi 1.00-1.03x, int4_saw 0.997-1.02x (H100); 0.98-1.04x, medians 1.02x and 1.01x (H200).
 DECODE_LAUNCH = {"int4_kivi": LaunchConfig(tile=128, num_warps=4, num_stages=5, subnormal_codes=True, ptx_unpack=True,
                                            paired_param_loads=True, max_registers=128, wide_code_loads=True,
                                            unmasked_full_tiles=True, joint_row_sums=True),
