@@ -31,7 +31,7 @@ CAPACITY_TARGET = 3.7
 OTHER_CALL_MARK = " †"
 JIT_MONITOR_LINE = re.compile(r"Triton kernel JIT compilation during inference: (\w+)")
 # The plugin's start-up line for int4_kivi's staging pool (runtime/plugin/backend.py)
-STAGING_POOL_LINE = re.compile(r"int4_kivi staging pool: (\d+) slots .* the room of (\d+) int4 tokens")
+STAGING_POOL_LINE = re.compile(r"int4_kivi staging pool: \d+ slots .* the room of (\d+) int4 tokens")
 
 
 def parse_kv_cache_tokens(log: str) -> int | None:
@@ -68,7 +68,7 @@ def parse_staging_room(log: str) -> int | None:
     """The int4 tokens of KV cache that int4_kivi's staging pool takes the room of, as the plugin logs it; None
     without the line (another format)."""
     match = STAGING_POOL_LINE.search(log)
-    return int(match.group(2)) if match else None
+    return int(match.group(1)) if match else None
 
 
 def staging_note(runs: list[dict[str, Any]]) -> str:

@@ -379,8 +379,8 @@ def write_outputs(doc: dict, out: Path) -> None:
     meta = doc.get("meta", {})
     title = f"s4kv bench on {meta.get('gpu', 'unknown GPU')}, vLLM {meta.get('vllm', '?')}, {meta.get('date', '')}"
     (out / "results.json").write_text(json.dumps(doc, indent=1))
-    notes = "".join(f"\n{note}" for note in (bench_report.staging_note(doc.get("runs", [])),
-                                              bench_report.jit_note(doc.get("runs", []))) if note)
+    runs = doc.get("runs", [])
+    notes = "".join(f"\n{note}" for note in (bench_report.staging_note(runs), bench_report.jit_note(runs)) if note)
     (out / "table.md").write_text(f"{title}\n\n{table}{notes}")
     (out / "plot.svg").write_text(render_svg(rows, title))
     print(f"\n{title}\n\n{table}{notes}")
