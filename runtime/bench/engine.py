@@ -46,10 +46,11 @@ def replica_prompts(workload: Workload, vocab_size: int, rank: int = 0, size: in
     return token_prompts(workload, vocab_size)[rank::size]
 
 
-def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+def engine_kwargs(spec: dict[str, Any], gpu_total_bytes: int | None = None) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments of one engine process: dummy weights from the spec's model folder, the engine
-    setting of its workloads (tensor parallel size included) and the KV format's own arguments. A data-parallel
-    replica is an engine of data_parallel_size 1 on its own GPUs, so no data-parallel argument is passed."""
+    setting of its workloads (tensor parallel size included, a card size as the share of a GPU of
+    ``gpu_total_bytes``) and the KV format's own arguments. A data-parallel replica is an engine of
+    data_parallel_size 1 on its own GPUs, so no data-parallel argument is passed."""
     fmt = FORMATS[spec["format"]]
     engine = Workload.from_spec(spec["workloads"][0]).engine
     return {
@@ -58,7 +59,7 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         "skip_tokenizer_init": True,
         "dtype": "bfloat16",
         "seed": 0,
-        "gpu_memory_utilization": engine.gpu_memory_utilization,
+        "gpu_memory_utilization": engine.memory_share(gpu_total_bytes),
         "max_num_seqs": engine.max_num_seqs,
         "max_model_len": engine.max_model_len,
         "tensor_parallel_size": engine.tensor_parallel_size,
@@ -158,7 +159,7 @@ def main(spec_path: str) -> None:
 
     from s4kv.runtime.schemes import choose_model_runner
 
-    kwargs = engine_kwargs(spec)
+    kwargs = engine_kwargs(spec, torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None)
     choose_model_runner(kwargs.get("additional_config"))
     llm = LLM(**kwargs)
     startup = time.perf_counter() - start
@@ -172,6 +173,7 @@ def main(spec_path: str) -> None:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "vllm": vllm.__version__,
+        "gpu_memory_utilization": kwargs["gpu_memory_utilization"],
         "workloads": results,
     }
     print(RESULT_PREFIX + json.dumps(payload), flush=True)

@@ -63,13 +63,42 @@ class EngineSettings:
     group of ``tensor_parallel_size`` GPUs, each serving its share of the requests: what vLLM 0.26.0 itself does
     for a dense model under ``--data-parallel-size`` (v1/engine/core.py: "Non-MoE DP ranks are completely
     independent"), while its offline ``LLM`` refuses ``data_parallel_size > 1`` (entrypoints/llm.py).
+
+    Memory is one of two: ``gpu_memory_utilization``, each GPU's share as vLLM takes it, or ``gpu_memory_gb``, a
+    smaller card's memory on whatever GPU runs the engine, turned into that GPU's share when the engine starts
+    (24 GB is 0.16 of an H200's 150.1 GB, 0.28 of an H100's 85.0 GB), so a card-sized workload measures the same
+    budget on either.
     """
 
-    gpu_memory_utilization: float
+    gpu_memory_utilization: float | None
     max_num_seqs: int
     max_model_len: int = MAX_MODEL_LEN
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    gpu_memory_gb: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.gpu_memory_utilization is None) == (self.gpu_memory_gb is None):
+            raise ValueError("an engine setting takes one of gpu_memory_utilization and gpu_memory_gb")
+
+    def memory_share(self, gpu_total_bytes: int | None) -> float:
+        """The gpu_memory_utilization vLLM gets on a GPU of ``gpu_total_bytes`` (needed only for a card size)."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        if gpu_total_bytes is None:
+            raise ValueError(f"a {self.gpu_memory_gb:g} GB card's budget needs the GPU's total memory")
+        share = self.gpu_memory_gb * 1e9 / gpu_total_bytes
+        if share > 1:
+            raise ValueError(f"a {self.gpu_memory_gb:g} GB card's budget does not fit a GPU of "
+                             f"{gpu_total_bytes / 1e9:.1f} GB")
+        return share
+
+    @property
+    def memory_label(self) -> str:
+        """"gmu 0.90", or "24 GB" for a card size."""
+        if self.gpu_memory_gb is not None:
+            return f"{self.gpu_memory_gb:g} GB"
+        return f"gmu {self.gpu_memory_utilization:.2f}"
 
     @property
     def parallel(self) -> bool:
@@ -97,7 +126,9 @@ class EngineSettings:
 
     @property
     def key(self) -> str:
-        base = f"gmu{self.gpu_memory_utilization:.2f}-seqs{self.max_num_seqs}"
+        memory = (f"{self.gpu_memory_gb:g}gb" if self.gpu_memory_gb is not None
+                  else f"gmu{self.gpu_memory_utilization:.2f}")
+        base = f"{memory}-seqs{self.max_num_seqs}"
         return f"{base}-{self.parallel_key}" if self.parallel else base
 
     def as_dict(self) -> dict[str, Any]:
@@ -141,8 +172,8 @@ WORKLOADS: dict[str, Workload] = {
                  seed=2),
         Workload("many", "many: 1024 x 2048 in / 512 out, max_num_seqs 1024 (output tok/s)", 1024, 2048, 512,
                  EngineSettings(gpu_memory_utilization=0.90, max_num_seqs=1024), seed=3),
-        Workload("24gb", "24 GB card: gmu 0.16, 256 x 2048 in / 512 out (output tok/s)", 256, 2048, 512,
-                 EngineSettings(gpu_memory_utilization=0.16, max_num_seqs=256), seed=4),
+        Workload("24gb", "24 GB card: 24 GB of the GPU, 256 x 2048 in / 512 out (output tok/s)", 256, 2048, 512,
+                 EngineSettings(gpu_memory_utilization=None, max_num_seqs=256, gpu_memory_gb=24.0), seed=4),
     )
 }
 

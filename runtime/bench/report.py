@@ -80,8 +80,8 @@ def staging_note(runs: list[dict[str, Any]]) -> str:
         if run.get("status") != "ok" or room is None or tokens is None:
             continue
         engine = EngineSettings(**run["engine"])
-        lines.append(f"int4_kivi's staging pool at max_num_seqs {engine.max_num_seqs} (gmu "
-                     f"{engine.gpu_memory_utilization:.2f}) takes the room of {room:,} int4 tokens: "
+        lines.append(f"int4_kivi's staging pool at max_num_seqs {engine.max_num_seqs} ({engine.memory_label}) "
+                     f"takes the room of {room:,} int4 tokens: "
                      f"{tokens:,} in the cache, {tokens + room:,} with the pool's room.")
     return "\n".join(lines) + "\n" if lines else ""
 
@@ -210,7 +210,7 @@ def build_table(doc: dict[str, Any], formats: list[str] | None = None) -> list[R
         engine = engine_of(first)
         accept = lambda run, key=key: capacity_key(run) == key  # noqa: E731
         title = (f"{model_prefix(first)}KV capacity (tokens{' per engine' if engine.parallel else ''}), "
-                 f"gmu {engine.gpu_memory_utilization:.2f}, max_num_seqs {engine.max_num_seqs}"
+                 f"{engine.memory_label}, max_num_seqs {engine.max_num_seqs}"
                  + (f", {engine.parallel_label}" if engine.parallel else ""))
         rows.append(Row(key, title, "tokens", _cells(runs, formats, accept, lambda r: r["kv_cache_tokens"])))
     for name, workload in ALL_WORKLOADS.items():

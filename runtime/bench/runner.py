@@ -1,6 +1,6 @@
 """`s4kv bench`: end-to-end throughput of each KV format on the standard workloads, one engine per configuration.
 
-For every selected engine setting (workloads that share gpu_memory_utilization and max_num_seqs run in
+For every selected engine setting (workloads that share their memory budget and max_num_seqs run in
 one engine) and every selected KV format, a fresh ``python -m s4kv.runtime.bench.engine`` process
 starts vLLM with dummy weights from a config.json, runs the workloads and reports; this process only
 orchestrates, so it imports neither torch nor vLLM. Results are saved after every engine, so a run
@@ -305,7 +305,7 @@ def _read_record(log_path: Path, error: str | None) -> dict:
         return {**record, "status": "failed", "error": "no 'GPU KV cache size' line in the engine log"}
     return {**record, "status": "ok", "startup_s": payload["startup_s"], "warmup_s": payload.get("warmup_s", 0.0),
             "gpu": payload["gpu"], "vllm": payload["vllm"], "results": payload["workloads"],
-            "exit": error or "clean"}
+            "gpu_memory_utilization": payload.get("gpu_memory_utilization"), "exit": error or "clean"}
 
 
 def combine_replicas(records: list[dict]) -> dict:
@@ -334,7 +334,8 @@ def combine_replicas(records: list[dict]) -> dict:
     exits = sorted({r["exit"] for r in records})
     return {**base, "status": "ok", "startup_s": max(r["startup_s"] for r in records),
             "warmup_s": max(r.get("warmup_s", 0.0) for r in records), "gpu": records[0]["gpu"],
-            "vllm": records[0]["vllm"], "results": results, "exit": "; ".join(exits)}
+            "vllm": records[0]["vllm"], "gpu_memory_utilization": records[0].get("gpu_memory_utilization"),
+            "results": results, "exit": "; ".join(exits)}
 
 
 def _end_group(proc: subprocess.Popen) -> None:

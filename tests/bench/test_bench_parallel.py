@@ -82,7 +82,7 @@ def test_parallel_options_parse_and_default_to_one_gpu():
             parse_cli("--tensor-parallel-size", bad)
 
 
-def test_in_order_keeps_the_given_order_and_all_stays_issue_4():
+def test_in_order_keeps_the_given_order_and_all_stays_the_standard_matrix():
     assert parse_names("s4kv_kivi,bf16_fa3,s4kv_saw,s4kv_kivi", {"bf16_fa3": 1, "s4kv_kivi": 2, "s4kv_saw": 3},
                        "configs", keep_order=True) == ["s4kv_kivi", "bf16_fa3", "s4kv_saw"]
     plan = bench.build_plan(bench_args(Path("x"), configs="s4kv_kivi,bf16_fa3,s4kv_saw", in_order=True,
@@ -107,6 +107,30 @@ def test_engine_keys_stay_plain_on_one_gpu():
     # results.json of earlier calls have no parallel fields: they read back as one GPU
     old = {"gpu_memory_utilization": 0.9, "max_num_seqs": 256, "max_model_len": 20480}
     assert EngineSettings(**old) == FULL_CARD
+
+
+H200_TOTAL_BYTES = 150_109_880_320  # what torch.cuda.mem_get_info reports: 139.8 GiB
+H100_TOTAL_BYTES = 85_028_896_768  # 79.2 GiB
+
+
+def test_a_card_size_becomes_the_share_of_the_gpu_the_engine_meets():
+    card = WORKLOADS["24gb"].engine
+    assert card.key == "24gb-seqs256" and card.memory_label == "24 GB"
+    assert card.memory_share(H200_TOTAL_BYTES) == pytest.approx(0.16, abs=0.001)  # the H200's earlier gmu 0.16
+    assert card.memory_share(H100_TOTAL_BYTES) == pytest.approx(0.282, abs=0.001)
+    assert FULL_CARD.memory_share(None) == 0.90 and FULL_CARD.memory_share(H100_TOTAL_BYTES) == 0.90
+    with pytest.raises(ValueError, match="does not fit a GPU of 16.0 GB"):
+        card.memory_share(16 * 10**9)
+    with pytest.raises(ValueError, match="needs the GPU's total memory"):
+        card.memory_share(None)
+    for both_or_neither in ({"gpu_memory_utilization": 0.9, "gpu_memory_gb": 24.0}, {"gpu_memory_utilization": None}):
+        with pytest.raises(ValueError, match="one of gpu_memory_utilization and gpu_memory_gb"):
+            EngineSettings(max_num_seqs=256, **both_or_neither)
+    spec = {"format": "bf16_fa3", "model": "/m", "load_format": "dummy", "vocab_size": 152064,
+            "workloads": [WORKLOADS["24gb"].to_spec()]}
+    assert engine_kwargs(spec, H100_TOTAL_BYTES)["gpu_memory_utilization"] == pytest.approx(24e9 / H100_TOTAL_BYTES)
+    # a record's engine reads back as it was written, card size included
+    assert EngineSettings(**card.as_dict()) == card
 
 
 def test_tensor_parallel_size_must_split_the_heads(tmp_path, capsys):

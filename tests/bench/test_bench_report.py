@@ -167,11 +167,11 @@ def test_target_check_shows_a_near_miss_in_digits_that_explain_it():
     assert "short 0.999x (target >= 1.0x): MISSED" in verdicts
 
 
-def test_workloads_match_issue_4():
-    shapes = {name: (w.num_requests, w.input_len, w.output_len, w.engine.max_num_seqs, w.engine.gpu_memory_utilization)
+def test_standard_workloads():
+    shapes = {name: (w.num_requests, w.input_len, w.output_len, w.engine.max_num_seqs, w.engine.memory_label)
               for name, w in WORKLOADS.items()}
-    assert shapes == {"short": (256, 1024, 256, 256, 0.90), "long": (32, 16384, 256, 256, 0.90),
-                      "many": (1024, 2048, 512, 1024, 0.90), "24gb": (256, 2048, 512, 256, 0.16)}
+    assert shapes == {"short": (256, 1024, 256, 256, "gmu 0.90"), "long": (32, 16384, 256, 256, "gmu 0.90"),
+                      "many": (1024, 2048, 512, 1024, "gmu 0.90"), "24gb": (256, 2048, 512, 256, "24 GB")}
 
 
 def test_the_jit_note_names_each_engines_compiled_kernels_or_says_none():
