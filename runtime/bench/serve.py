@@ -86,8 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--input-len", type=int, default=2048, help="prompt tokens per request")
     group.add_argument("--output-len", type=int, default=256, help="output tokens per request")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.16,
-                       help="the server's gpu_memory_utilization (default 0.16: a 24 GB card's KV budget, where "
-                            "KV memory binds)")
+                       help="the server's gpu_memory_utilization (default 0.16: on an H200 a 24 GB card's "
+                            "budget, where KV memory binds; on an 80 GB GPU it leaves less than an 8B model's "
+                            "weights, so give --kv-cache-memory-bytes there)")
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
                        help="the same KV-cache memory for every configuration instead of gmu's profiling; the "
                             "servers then start side by side, in as few waves as the GPU's free memory allows, "
