@@ -67,6 +67,15 @@ def engine_kwargs(spec: dict[str, Any], gpu_total_bytes: int | None = None) -> d
     }
 
 
+def device_total_bytes() -> int:
+    """The engine's first GPU's total memory, as vLLM's platform reads it: through NVML on CUDA, so this process
+    makes no CUDA context of its own (it would hold GPU memory beside the engine's and force vLLM's workers to
+    spawn)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.get_device_total_memory(0)
+
+
 def wait_for_replicas(replica: dict[str, Any] | None, tag: str, timeout: float = BARRIER_TIMEOUT_S) -> None:
     """Barrier of a data-parallel run: mark this replica as ready at ``tag`` in the shared folder, then wait until
     every replica is. Nothing to wait for without replicas."""
@@ -159,7 +168,7 @@ def main(spec_path: str) -> None:
 
     from s4kv.runtime.schemes import choose_model_runner
 
-    kwargs = engine_kwargs(spec, torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None)
+    kwargs = engine_kwargs(spec, device_total_bytes() if engine.gpu_memory_gb is not None else None)
     choose_model_runner(kwargs.get("additional_config"))
     llm = LLM(**kwargs)
     startup = time.perf_counter() - start

@@ -66,8 +66,8 @@ class EngineSettings:
 
     Memory is one of two: ``gpu_memory_utilization``, each GPU's share as vLLM takes it, or ``gpu_memory_gb``, a
     smaller card's memory on whatever GPU runs the engine, turned into that GPU's share when the engine starts
-    (24 GB is 0.16 of an H200's 150.1 GB, 0.28 of an H100's 85.0 GB), so a card-sized workload measures the same
-    budget on either.
+    (24 GB is 0.16 of an H200's 150.8 GB, 0.28 of an H100's 85.5 GB, the totals NVML reports), so a card-sized
+    workload measures the same budget on either.
     """
 
     gpu_memory_utilization: float | None

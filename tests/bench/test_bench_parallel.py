@@ -109,15 +109,15 @@ def test_engine_keys_stay_plain_on_one_gpu():
     assert EngineSettings(**old) == FULL_CARD
 
 
-H200_TOTAL_BYTES = 150_109_880_320  # what torch.cuda.mem_get_info reports: 139.8 GiB
-H100_TOTAL_BYTES = 85_028_896_768  # 79.2 GiB
+H200_TOTAL_BYTES = 143_771 * 2**20  # NVML's total, as nvidia-smi prints it
+H100_TOTAL_BYTES = 81_559 * 2**20
 
 
 def test_a_card_size_becomes_the_share_of_the_gpu_the_engine_meets():
     card = WORKLOADS["24gb"].engine
     assert card.key == "24gb-seqs256" and card.memory_label == "24 GB"
     assert card.memory_share(H200_TOTAL_BYTES) == pytest.approx(0.16, abs=0.001)  # the H200's earlier gmu 0.16
-    assert card.memory_share(H100_TOTAL_BYTES) == pytest.approx(0.282, abs=0.001)
+    assert card.memory_share(H100_TOTAL_BYTES) == pytest.approx(0.281, abs=0.001)
     assert FULL_CARD.memory_share(None) == 0.90 and FULL_CARD.memory_share(H100_TOTAL_BYTES) == 0.90
     with pytest.raises(ValueError, match="does not fit a GPU of 16.0 GB"):
         card.memory_share(16 * 10**9)
