@@ -126,8 +126,7 @@ class EngineSettings:
 
     @property
     def key(self) -> str:
-        memory = (f"{self.gpu_memory_gb:g}gb" if self.gpu_memory_gb is not None
-                  else f"gmu{self.gpu_memory_utilization:.2f}")
+        memory = self.memory_label.replace(" ", "").lower()  # "gmu0.90", "24gb"
         base = f"{memory}-seqs{self.max_num_seqs}"
         return f"{base}-{self.parallel_key}" if self.parallel else base
 

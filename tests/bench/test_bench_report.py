@@ -168,10 +168,11 @@ def test_target_check_shows_a_near_miss_in_digits_that_explain_it():
 
 
 def test_standard_workloads():
-    shapes = {name: (w.num_requests, w.input_len, w.output_len, w.engine.max_num_seqs, w.engine.memory_label)
+    shapes = {name: (w.num_requests, w.input_len, w.output_len, w.engine.max_num_seqs,
+                     w.engine.gpu_memory_utilization, w.engine.gpu_memory_gb)
               for name, w in WORKLOADS.items()}
-    assert shapes == {"short": (256, 1024, 256, 256, "gmu 0.90"), "long": (32, 16384, 256, 256, "gmu 0.90"),
-                      "many": (1024, 2048, 512, 1024, "gmu 0.90"), "24gb": (256, 2048, 512, 256, "24 GB")}
+    assert shapes == {"short": (256, 1024, 256, 256, 0.90, None), "long": (32, 16384, 256, 256, 0.90, None),
+                      "many": (1024, 2048, 512, 1024, 0.90, None), "24gb": (256, 2048, 512, 256, None, 24.0)}
 
 
 def test_the_jit_note_names_each_engines_compiled_kernels_or_says_none():
