@@ -221,14 +221,15 @@ ESTIMATED_WALL_S = {
 }
 
 # Scaling the 7B single-GPU numbers above to another model and layout. All estimates, to be replaced by
-# measurements: within one `s4kv bench` call, the measured start of an earlier engine replaces START estimates.
+# measurements: within one `s4kv bench` call, the measured start of an earlier engine replaces START estimates, and
+# each workload's measured pace (its wall over the estimate, another GPU's or model's) scales the later estimates.
 REFERENCE_PARAMS = 7.62e9  # the Qwen2.5-7B shape the wall times above were measured on (model_shapes count)
 REFERENCE_LAYERS = 28
 START_S_PER_EXTRA_LAYER = 1.25  # torch.compile tracing and CUDA-graph capture grow with depth
 TP_START_S = 20  # worker processes, NCCL and custom all-reduce set-up
 TP_SLOWDOWN = 1.3  # an all-reduce after attention and after the MLP of every layer
 DP_START_S = 10  # replicas compile side by side on shared CPU cores
-MEASURED_START_MARGIN = 1.15  # on an earlier engine's measured start (start + warm-up) of the same call
+MEASURED_MARGIN = 1.15  # on an earlier engine's measured start (start + warm-up) and pace in the same call
 
 
 @dataclass(frozen=True)
@@ -267,13 +268,21 @@ def workload_wall_s(fmt: str, name: str) -> float:
     return walls.get(fmt, max(walls.values()))
 
 
+def expected_workload_s(fmt: str, name: str, scale: ModelScale | None = None,
+                        engine: EngineSettings | None = None) -> float:
+    """A workload's wall time estimated from the table: this format's measured (or the slowest) speed, scaled to the
+    model and layout."""
+    return wall_factor(scale or ModelScale(), engine) * workload_wall_s(fmt, name)
+
+
 def expected_engine_s(fmt: str, workload_names: list[str], scale: ModelScale | None = None,
-                      engine: EngineSettings | None = None, start_s: float | None = None) -> float:
-    """Time one engine may need: its start plus each workload at this format's measured (or the slowest) speed,
-    scaled to the model and layout; ``start_s`` (a measured start) replaces the estimated start."""
-    scale = scale or ModelScale()
-    start = expected_start_s(scale, engine) if start_s is None else start_s
-    return start + wall_factor(scale, engine) * sum(workload_wall_s(fmt, name) for name in workload_names)
+                      engine: EngineSettings | None = None, start_s: float | None = None,
+                      pace: dict[str, float] | None = None) -> float:
+    """Time one engine may need: its start plus each workload's estimated wall; ``start_s`` (a measured start)
+    replaces the estimated start, ``pace`` (per workload, measured wall over estimate) multiplies a workload's."""
+    start = expected_start_s(scale or ModelScale(), engine) if start_s is None else start_s
+    pace = pace or {}
+    return start + sum(expected_workload_s(fmt, name, scale, engine) * pace.get(name, 1.0) for name in workload_names)
 
 
 def engine_groups(workload_names: list[str]) -> list[tuple[EngineSettings, list[str]]]:

@@ -33,8 +33,9 @@ from pathlib import Path
 from . import report as bench_report
 from . import serve as bench_serve
 from s4kv.runtime.sizing import model_shapes
-from .matrix import (ALL_WORKLOADS, FORMATS, MEASURED_START_MARGIN, STANDARD_FORMATS, WORKLOADS, EngineSettings,
-                           ModelScale, Workload, engine_groups, expected_engine_s, parse_names)
+from .matrix import (ALL_WORKLOADS, FORMATS, MEASURED_MARGIN, STANDARD_FORMATS, WORKLOADS, EngineSettings,
+                           ModelScale, Workload, engine_groups, expected_engine_s, expected_workload_s,
+                           parse_names)
 from .plot import render_svg
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "configs" / "qwen2.5-7b-instruct.json"
@@ -163,11 +164,13 @@ def run(args: argparse.Namespace) -> int:
            "runs": []}
     deadline = time.monotonic() + args.budget_s if args.budget_s is not None else None
     measured_start: dict[EngineSettings, float] = {}  # slowest start + warm-up seen so far, per engine setting
+    measured_pace: dict[str, float] = {}  # per workload: the slowest measured wall over its estimate so far
     for attempt, (fmt, settings, names) in ((a, entry) for a in range(1, args.repeats + 1) for entry in plan):
         left = deadline - time.monotonic() if deadline else None
         seen = measured_start.get(settings)
         need = expected_engine_s(fmt, names, scale, settings,
-                                 start_s=seen * MEASURED_START_MARGIN if seen is not None else None)
+                                 start_s=seen * MEASURED_MARGIN if seen is not None else None,
+                                 pace={name: p * MEASURED_MARGIN for name, p in measured_pace.items()})
         if left is not None and left < need:
             record = {"status": "skipped", "error": f"time budget: {left:.0f} s left, the engine may need {need:.0f} s"}
         else:
@@ -179,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
         if record["status"] == "ok":
             took = record["startup_s"] + record.get("warmup_s", 0.0)
             measured_start[settings] = max(took, measured_start.get(settings, 0.0))
+            for name, result in record["results"].items():
+                pace = result["wall_s"] / expected_workload_s(fmt, name, scale, settings)
+                measured_pace[name] = max(pace, measured_pace.get(name, 0.0))
         doc["runs"].append(record)
         if record.get("gpu") and "gpu" not in doc["meta"]:
             doc["meta"].update(gpu=record["gpu"], vllm=record.get("vllm"))

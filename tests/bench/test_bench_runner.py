@@ -12,7 +12,8 @@ from bench_helpers import bench_args
 
 from s4kv.runtime.bench import runner as bench
 from s4kv.runtime.bench.engine import FIRST_SPECIAL_TOKEN, cached_kernels, pin_triton_cache, token_prompts
-from s4kv.runtime.bench.matrix import FORMATS, WORKLOADS, engine_groups, expected_engine_s, parse_names
+from s4kv.runtime.bench.matrix import (FORMATS, MEASURED_MARGIN, WORKLOADS, engine_groups, expected_engine_s,
+                                       expected_workload_s, parse_names)
 
 # Prints what vLLM and bench_engine print; capacity and speed depend on the format, s4kv_saw crashes.
 FAKE_ENGINE = textwrap.dedent("""
@@ -190,3 +191,24 @@ def test_result_printed_before_a_stalled_shutdown_still_counts(tmp_path, stand_i
 def test_missing_model_config_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="not found"):
         bench.prepare_model(tmp_path / "nope.json", tmp_path / "model")
+
+
+# Reports a wall 50x the table's estimate for every workload (the result line is the engine's own measurement).
+SLOW_ENGINE = FAKE_ENGINE.replace('"wall_s": 10 / speed', '"wall_s": 445 / speed')
+
+
+def test_a_workload_slower_than_estimated_scales_the_later_engines_budget(tmp_path, stand_in):
+    """Once an engine of the call has run a workload, the later engines' estimates use its measured pace: an engine
+    the table's speed would fit but the measured pace would not is skipped, not started and cut off."""
+    stand_in(SLOW_ENGINE, "slow_engine")
+    out = tmp_path / "out"
+    budget = expected_engine_s("bf16_fa3", ["short"]) + 30
+    assert expected_engine_s("s4kv_kivi", ["short"], start_s=1.0 * MEASURED_MARGIN) < budget - 60
+    assert bench.run(bench_args(out, configs="bf16_fa3,s4kv_kivi", workloads="short", budget_s=budget)) == 0
+    first, second = json.loads((out / "results.json").read_text())["runs"]
+    assert first["format"] == "bf16_fa3" and first["status"] == "ok"
+    pace = 445 / expected_workload_s("bf16_fa3", "short")
+    need = expected_engine_s("s4kv_kivi", ["short"], start_s=1.0 * MEASURED_MARGIN,
+                             pace={"short": pace * MEASURED_MARGIN})
+    assert second["format"] == "s4kv_kivi" and second["status"] == "skipped"
+    assert second["error"].endswith(f"the engine may need {need:.0f} s")
