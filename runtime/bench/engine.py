@@ -20,6 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from s4kv.runtime.schemes import KIVI
+from s4kv.runtime.sizing import capacity, model_shapes
+
 from .matrix import FORMATS, Workload
 
 RESULT_PREFIX = "S4KV_BENCH_RESULT "
@@ -50,17 +53,30 @@ def engine_kwargs(spec: dict[str, Any], gpu_total_bytes: int | None = None) -> d
     """The ``vllm.LLM`` arguments of one engine process: dummy weights from the spec's model folder, the engine
     setting of its workloads (tensor parallel size included, a card size as the share of a GPU of
     ``gpu_total_bytes``) and the KV format's own arguments. A data-parallel replica is an engine of
-    data_parallel_size 1 on its own GPUs, so no data-parallel argument is passed."""
+    data_parallel_size 1 on its own GPUs, so no data-parallel argument is passed.
+
+    int4_kivi runs at the max_num_seqs its deployment would: the setting's, capped as `s4kv capacity` plans it so
+    that its staging pool takes at most an eighth of the KV budget (``capacity.kivi_max_num_seqs``, on a GPU of
+    ``gpu_total_bytes``)."""
     fmt = FORMATS[spec["format"]]
     engine = Workload.from_spec(spec["workloads"][0]).engine
+    share = engine.memory_share(gpu_total_bytes)
+    max_num_seqs = engine.max_num_seqs
+    if fmt.scheme == KIVI:
+        if gpu_total_bytes is None:
+            raise ValueError("int4_kivi's max_num_seqs cap needs the GPU's total memory")
+        shape = model_shapes.load(spec["model"])
+        tp = engine.tensor_parallel_size
+        pool = capacity.kv_pool_bytes(shape, gpu_total_bytes, tp, share)
+        max_num_seqs = capacity.kivi_max_num_seqs(shape, pool, tp, default=max_num_seqs)
     return {
         "model": spec["model"],
         "load_format": spec["load_format"],
         "skip_tokenizer_init": True,
         "dtype": "bfloat16",
         "seed": 0,
-        "gpu_memory_utilization": engine.memory_share(gpu_total_bytes),
-        "max_num_seqs": engine.max_num_seqs,
+        "gpu_memory_utilization": share,
+        "max_num_seqs": max_num_seqs,
         "max_model_len": engine.max_model_len,
         "tensor_parallel_size": engine.tensor_parallel_size,
         **fmt.engine_kwargs(),
@@ -168,7 +184,7 @@ def main(spec_path: str) -> None:
 
     from s4kv.runtime.schemes import choose_model_runner
 
-    kwargs = engine_kwargs(spec, device_total_bytes() if engine.gpu_memory_gb is not None else None)
+    kwargs = engine_kwargs(spec, device_total_bytes())
     choose_model_runner(kwargs.get("additional_config"))
     llm = LLM(**kwargs)
     startup = time.perf_counter() - start
@@ -183,6 +199,7 @@ def main(spec_path: str) -> None:
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "vllm": vllm.__version__,
         "gpu_memory_utilization": kwargs["gpu_memory_utilization"],
+        "max_num_seqs": kwargs["max_num_seqs"],
         "workloads": results,
     }
     print(RESULT_PREFIX + json.dumps(payload), flush=True)

@@ -26,6 +26,11 @@ class KVFormat:
     attention_backend: str
     additional_config: dict[str, Any] | None = None
 
+    @property
+    def scheme(self) -> str | None:
+        """The S4 KV scheme of this configuration, None for vLLM's own formats."""
+        return (self.additional_config or {}).get(CONFIG_KEY, {}).get("scheme")
+
     def engine_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "kv_cache_dtype": self.kv_cache_dtype,

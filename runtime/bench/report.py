@@ -2,13 +2,13 @@
 
 A results document is ``{"meta": {...}, "runs": [run, ...]}``; a run is one engine process (or the replicas of a
 data-parallel run): ``{"format", "model", "engine": EngineSettings.as_dict(), "workloads": [names], "status": "ok" |
-"failed" | "skipped", "kv_cache_tokens", "staging_room_tokens" (int4_kivi), "startup_s", "results": {workload:
-{"wall_s", "output_tok_s", ...}}, "error", "call"}``. Runs from several device calls are concatenated, each tagged
-with its call (its document's date and place in the merge). A cell with several ok runs shows the median value and
-the median of each run's ratio to the baseline measured in the same call: speed differs from one machine to the next
-by more than the differences measured here, so a ratio is only taken across calls when the call has no baseline run
-(marked). Rows of one GPU keep their plain keys ("short", "kv:gmu0.90-seqs256"); a parallel layout adds "@tp2" /
-"-tp2", and a document with several models adds ":model".
+"failed" | "skipped", "kv_cache_tokens", "staging_room_tokens" (int4_kivi), "max_num_seqs" (as the engine ran),
+"startup_s", "results": {workload: {"wall_s", "output_tok_s", ...}}, "error", "call"}``. Runs from several device calls
+are concatenated, each tagged with its call (its document's date and place in the merge). A cell with several ok runs
+shows the median value and the median of each run's ratio to the baseline measured in the same call: speed differs from
+one machine to the next by more than the differences measured here, so a ratio is only taken across calls when the call
+has no baseline run (marked). Rows of one GPU keep their plain keys ("short", "kv:gmu0.90-seqs256"); a parallel layout
+adds "@tp2" / "-tp2", and a document with several models adds ":model".
 """
 
 from __future__ import annotations
@@ -73,14 +73,17 @@ def parse_staging_room(log: str) -> int | None:
 
 def staging_note(runs: list[dict[str, Any]]) -> str:
     """One line per int4_kivi engine whose log gave its staging pool: the tokens the pool takes the room of, beside
-    the cache's (the capacity row counts the cache alone, which is what the engine can hold)."""
+    the cache's (the capacity row counts the cache alone, which is what the engine can hold), and its max_num_seqs
+    where the staging cap (runtime/bench/engine.py) took it below the engine setting's."""
     lines = []
     for run in runs:
         room, tokens = run.get("staging_room_tokens"), run.get("kv_cache_tokens")
         if run.get("status") != "ok" or room is None or tokens is None:
             continue
         engine = EngineSettings(**run["engine"])
-        lines.append(f"int4_kivi's staging pool at max_num_seqs {engine.max_num_seqs} ({engine.memory_label}) "
+        slots = run.get("max_num_seqs") or engine.max_num_seqs  # runs saved before the cap carry none
+        capped = f", capped from the setting's {engine.max_num_seqs}" if slots != engine.max_num_seqs else ""
+        lines.append(f"int4_kivi's staging pool at max_num_seqs {slots}{capped} ({engine.memory_label}) "
                      f"takes the room of {room:,} int4 tokens: "
                      f"{tokens:,} in the cache, {tokens + room:,} with the pool's room.")
     return "\n".join(lines) + "\n" if lines else ""

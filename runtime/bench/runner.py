@@ -311,7 +311,8 @@ def _read_record(log_path: Path, error: str | None) -> dict:
         return {**record, "status": "failed", "error": "no 'GPU KV cache size' line in the engine log"}
     return {**record, "status": "ok", "startup_s": payload["startup_s"], "warmup_s": payload.get("warmup_s", 0.0),
             "gpu": payload["gpu"], "vllm": payload["vllm"], "results": payload["workloads"],
-            "gpu_memory_utilization": payload.get("gpu_memory_utilization"), "exit": error or "clean"}
+            "gpu_memory_utilization": payload.get("gpu_memory_utilization"),
+            "max_num_seqs": payload.get("max_num_seqs"), "exit": error or "clean"}
 
 
 def combine_replicas(records: list[dict]) -> dict:
@@ -341,7 +342,7 @@ def combine_replicas(records: list[dict]) -> dict:
     return {**base, "status": "ok", "startup_s": max(r["startup_s"] for r in records),
             "warmup_s": max(r.get("warmup_s", 0.0) for r in records), "gpu": records[0]["gpu"],
             "vllm": records[0]["vllm"], "gpu_memory_utilization": records[0].get("gpu_memory_utilization"),
-            "results": results, "exit": "; ".join(exits)}
+            "max_num_seqs": records[0].get("max_num_seqs"), "results": results, "exit": "; ".join(exits)}
 
 
 def _end_group(proc: subprocess.Popen) -> None:

@@ -24,6 +24,7 @@ from s4kv.runtime.bench.matrix import (ALL_WORKLOADS, ENGINE_START_S, EXTRA_WORK
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA70B = REPO / "configs" / "llama-3.1-70b-instruct.json"
+LLAMA8B = REPO / "configs" / "llama-3.1-8b-instruct.json"
 QWEN7B = REPO / "configs" / "qwen2.5-7b-instruct.json"
 TP2 = EngineSettings(gpu_memory_utilization=0.90, max_num_seqs=128, tensor_parallel_size=2)
 DP2 = EngineSettings(gpu_memory_utilization=0.90, max_num_seqs=256, data_parallel_size=2)
@@ -133,6 +134,30 @@ def test_a_card_size_becomes_the_share_of_the_gpu_the_engine_meets():
     assert EngineSettings(**card.as_dict()) == card
 
 
+def test_int4_kivi_runs_at_the_max_num_seqs_its_deployment_would():
+    # `s4kv capacity` caps int4_kivi's max_num_seqs so that its staging pool (an int4 page of bf16 keys per slot in
+    # every layer and KV head: 128 x 128 x 2 bytes x 32 layers x 8 heads = 8 MiB for Llama-3.1-8B) takes at most an
+    # eighth of the KV pool: on a 24 GB card 24e9 - 2 GiB reserve - 16.06e9 of weights = 5.79e9, an eighth of it 86
+    # slots, 80 in steps of 16. The card is 24 GB on any GPU, so the cap is the same on the H100 and the H200.
+    def kwargs(fmt: str, workload: str, total: int, model: Path = LLAMA8B) -> dict:
+        spec = {"format": fmt, "model": str(model), "load_format": "dummy", "vocab_size": 128256,
+                "workloads": [WORKLOADS[workload].to_spec()]}
+        return engine_kwargs(spec, total)
+
+    for total in (H100_TOTAL_BYTES, H200_TOTAL_BYTES):
+        assert kwargs("s4kv_kivi", "24gb", total)["max_num_seqs"] == 80
+        assert kwargs("s4kv_saw", "24gb", total)["max_num_seqs"] == 256
+        assert kwargs("bf16_fa3", "24gb", total)["max_num_seqs"] == 256
+    # Qwen2.5-7B's slot is 3.5 MiB (28 layers, 4 KV heads): 6.62e9 / 8 of room is 225 slots
+    assert kwargs("s4kv_kivi", "24gb", H100_TOTAL_BYTES, QWEN7B)["max_num_seqs"] == 224
+    # a full H100 (0.9 of 85.5e9) leaves 58.8e9 of KV pool: 875 slots, under many's 1,024, above short's 256
+    assert kwargs("s4kv_kivi", "many", H100_TOTAL_BYTES)["max_num_seqs"] == 864
+    assert kwargs("s4kv_kivi", "short", H100_TOTAL_BYTES)["max_num_seqs"] == 256
+    assert kwargs("s4kv_kivi", "many", H200_TOTAL_BYTES)["max_num_seqs"] == 1024  # 1,750 slots of room
+    with pytest.raises(ValueError, match="needs the GPU's total memory"):
+        kwargs("s4kv_kivi", "short", None)
+
+
 def test_tensor_parallel_size_must_split_the_heads(tmp_path, capsys):
     scale, shape = bench.model_scale(LLAMA70B)
     assert shape.num_heads == 64 and shape.num_kv_heads == 8 and scale.layers == 80
@@ -198,9 +223,9 @@ def test_measured_start_lets_a_later_engine_fit(tmp_path, stand_in):
 # ------------------------------------------------------------------------------------------ one engine process
 def test_engine_kwargs_carry_tensor_parallel_size_but_no_data_parallel_size():
     workload = EXTRA_WORKLOADS["short128"]
-    spec = {"format": "s4kv_kivi", "model": "/m", "load_format": "dummy", "vocab_size": 128256,
+    spec = {"format": "s4kv_kivi", "model": str(LLAMA8B), "load_format": "dummy", "vocab_size": 128256,
             "workloads": [bench.dataclasses.replace(workload, engine=TP2).to_spec()]}
-    kwargs = engine_kwargs(spec)
+    kwargs = engine_kwargs(spec, H100_TOTAL_BYTES)
     assert kwargs["tensor_parallel_size"] == 2 and "data_parallel_size" not in kwargs
     assert kwargs["max_num_seqs"] == 128 and kwargs["gpu_memory_utilization"] == 0.90
     assert kwargs["kv_cache_dtype"] == "int4_per_token_head" and kwargs["attention_backend"] == "CUSTOM"

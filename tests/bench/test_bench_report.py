@@ -200,3 +200,11 @@ def test_the_staging_note_gives_int4_kivis_pool_beside_its_cache():
         f"{FULL_CARD.gpu_memory_utilization:.2f}) takes the room of 246,723 int4 tokens: 1,409,280 in the cache, "
         "1,656,003 with the pool's room.\n")
     assert bench_report.staging_note([saw, {"format": "s4kv_kivi", "status": "ok"}]) == ""  # runs saved before
+    # an engine the staging cap held below its setting's max_num_seqs says so
+    card = {**run_record("s4kv_kivi", 131_072, {}), "engine": WORKLOADS["24gb"].engine.as_dict(),
+            "staging_room_tokens": 19_275, "max_num_seqs": 80}
+    assert bench_report.staging_note([card]) == (
+        "int4_kivi's staging pool at max_num_seqs 80, capped from the setting's 256 (24 GB) takes the room of "
+        "19,275 int4 tokens: 131,072 in the cache, 150,347 with the pool's room.\n")
+    assert bench_report.staging_note([{**kivi, "max_num_seqs": FULL_CARD.max_num_seqs}]).startswith(
+        f"int4_kivi's staging pool at max_num_seqs {FULL_CARD.max_num_seqs} (gmu")
