@@ -9,8 +9,10 @@ the stock entry point (``python -m vllm.entrypoints.openai.api_server``) lacks:
   (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH) and our own stops the server instead, remembering why, so the process exits
   EXIT_ENGINE_DIED. A shutdown by signal is told apart by uvicorn's ``should_exit``, which its signal handler sets
   before vLLM stops the engine;
-* a batch of max_num_seqs decodes replays a full CUDA graph where vLLM's default capture sizes would leave it out
-  (cuda_graphs.py): the size is added to the arguments the engine is built from.
+* int4_kivi's max_num_seqs, where the user chose none, is capped so that its staging pool takes at most an eighth of
+  the KV memory, as `s4kv capacity` plans it (staging_cap.py); and a batch of max_num_seqs decodes replays a full
+  CUDA graph where vLLM's default capture sizes would leave it out (cuda_graphs.py): both go into the arguments the
+  engine is built from.
 
 The sequence below is vLLM 0.26.0's ``run_server`` / ``run_server_worker`` / ``build_and_serve``, with the app kept
 in hand for the watchdog.
@@ -23,11 +25,13 @@ import os
 import signal
 import sys
 from argparse import Namespace
+from typing import Any
 
 from s4kv.runtime.exit_codes import EXIT_BAD_INPUT, EXIT_ENGINE_DIED, EXIT_OK, EXIT_UNSUPPORTED
-from s4kv.runtime.plugin.config import S4KVConfigError, as_sentence, check_vllm_config
+from s4kv.runtime.plugin.config import S4KVConfig, S4KVConfigError, as_sentence, check_vllm_config
 from s4kv.runtime.plugin.cuda_graphs import cover_largest_decode_batch
 from s4kv.runtime.plugin.scheduler import check_config as check_scheduler_config
+from s4kv.runtime.plugin.staging_cap import cap_kivi_max_num_seqs
 from s4kv.runtime.plugin.version import vllm_version_mismatch
 from s4kv.runtime.schemes import PREFILL_CAPPED_SCHEDULER, choose_model_runner
 
@@ -90,13 +94,9 @@ def parse(argv: list[str]) -> Namespace:
 
 
 def precheck(args: Namespace) -> None:
-    """Everything knowable before the engine starts: vLLM's own argument and config validation, then ours; then the
-    largest decode batch added to the CUDA-graph capture sizes where it would miss its full graph (cuda_graphs.py)."""
-    from pydantic import ValidationError
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
-    from vllm.usage.usage_lib import UsageContext
-
+    """Everything knowable before the engine starts: vLLM's own argument and config validation, then ours; then
+    int4_kivi's max_num_seqs capped by its staging pool where the user chose none (staging_cap.py), and the largest
+    decode batch added to the CUDA-graph capture sizes where it would miss its full graph (cuda_graphs.py)."""
     if args.api_key:  # from a --config file: vLLM would log it with its non-default arguments
         raise Refusal(EXIT_BAD_INPUT, "s4kv serve takes no api-key setting, not even in a --config file: put the "
                                       "key in a file named by S4KV_API_KEY_FILE, or in VLLM_API_KEY.")
@@ -108,6 +108,20 @@ def precheck(args: Namespace) -> None:
     model = args.model
     if _looks_like_path(model) and not os.path.isdir(model):
         raise Refusal(EXIT_BAD_INPUT, f"no model folder at {model}: give a local model folder or a Hugging Face id.")
+    vllm_config, config = _checked_engine_config(args)
+    if cap_kivi_max_num_seqs(args, vllm_config, config) is not None:
+        vllm_config, _ = _checked_engine_config(args)  # the capture sizes and the scheduler follow max_num_seqs
+    cover_largest_decode_batch(args, vllm_config)
+
+
+def _checked_engine_config(args: Namespace) -> tuple[Any, S4KVConfig | None]:
+    """vLLM's config as the engine will build it from ``args``, after vLLM's checks and ours, and our config from it
+    (None for vLLM's own KV formats)."""
+    from pydantic import ValidationError
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+    from vllm.usage.usage_lib import UsageContext
+
     try:
         validate_parsed_serve_args(args)
         vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config(UsageContext.OPENAI_API_SERVER)
@@ -123,10 +137,9 @@ def precheck(args: Namespace) -> None:
     except (ValueError, TypeError) as err:
         raise Refusal(EXIT_BAD_INPUT, as_sentence(err).removeprefix("Error: ")) from None
     try:
-        check_vllm_config(vllm_config)
+        return vllm_config, check_vllm_config(vllm_config)
     except S4KVConfigError as err:
         raise Refusal(EXIT_UNSUPPORTED, str(err)) from None
-    cover_largest_decode_batch(args, vllm_config)
 
 
 def _looks_like_path(model: str) -> bool:
