@@ -35,9 +35,14 @@ def capped_max_num_seqs(vllm_config: Any, total_bytes: int) -> int | None:
     if cache.kv_cache_memory_bytes is not None:
         return None
     model = vllm_config.model_config
-    shape = model_shapes.from_config(model.hf_config.to_dict(), name=model.model)
-    tp = vllm_config.parallel_config.tensor_parallel_size
     resolved = vllm_config.scheduler_config.max_num_seqs
+    try:
+        shape = model_shapes.from_config(model.hf_config.to_dict(), name=model.model)
+    except ValueError as err:  # a model outside the supported families (allow_unsupported_model)
+        logger.warning("S4 KV: int4_kivi's max_num_seqs stays at %d, uncapped: %s; pass --max-num-seqs to keep its "
+                       "staging pool within the KV memory", resolved, err)
+        return None
+    tp = vllm_config.parallel_config.tensor_parallel_size
     pool = capacity.kv_pool_bytes(shape, total_bytes, tp, cache.gpu_memory_utilization)
     capped = capacity.kivi_max_num_seqs(shape, pool, tp, default=resolved)
     return capped if capped < resolved else None

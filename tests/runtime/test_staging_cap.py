@@ -4,6 +4,9 @@ report on the instance): the same count `s4kv capacity` plans for that instance.
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -60,3 +63,15 @@ def test_the_cap_leaves_what_the_user_or_another_format_chose(tmp_path, monkeypa
     assert prechecked(monkeypatch, model, *kivi(), total=None).max_num_seqs is None  # no CUDA GPU
     # on an H200 (0.9 of 140 GiB) the pool fits an eighth at vLLM's own default: nothing to cap
     assert prechecked(monkeypatch, model, *kivi(), total=143_771 << 20).max_num_seqs is None
+
+
+def test_a_config_without_a_shape_leaves_the_count_with_a_warning(caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)  # vLLM's loggers stop at "vllm"
+    config = {k: v for k, v in LLAMA31_8B.items() if k != "num_hidden_layers"}  # what from_config cannot size
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(kv_cache_memory_bytes=None, gpu_memory_utilization=0.9),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: config), model="m"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), scheduler_config=SimpleNamespace(max_num_seqs=256))
+    with caplog.at_level(logging.WARNING, logger="vllm.s4kv"):
+        assert staging_cap.capped_max_num_seqs(vllm_config, G5.gpu_bytes) is None
+    assert "max_num_seqs stays at 256, uncapped" in caplog.text and "lacks num_hidden_layers" in caplog.text
