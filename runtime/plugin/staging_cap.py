@@ -22,7 +22,8 @@ logger = logging.getLogger("vllm.s4kv")
 
 
 def gpu_total_bytes() -> int | None:
-    """The first GPU's total memory as vLLM reads it (NVML, no CUDA context in this process); None off CUDA."""
+    """The first GPU's total memory as vLLM's platform reads it (through NVML where it can, so this process makes no
+    CUDA context beside the engine's); None off CUDA."""
     from vllm.platforms import current_platform
 
     return current_platform.get_device_total_memory(0) if current_platform.is_cuda() else None
