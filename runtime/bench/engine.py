@@ -20,9 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from s4kv.runtime.schemes import KIVI
-from s4kv.runtime.sizing import capacity, model_shapes
-
 from .matrix import FORMATS, Workload
 
 RESULT_PREFIX = "S4KV_BENCH_RESULT "
@@ -55,20 +52,13 @@ def engine_kwargs(spec: dict[str, Any], gpu_total_bytes: int | None = None) -> d
     ``gpu_total_bytes``) and the KV format's own arguments. A data-parallel replica is an engine of
     data_parallel_size 1 on its own GPUs, so no data-parallel argument is passed.
 
-    int4_kivi runs at the max_num_seqs its deployment would: the setting's, capped as `s4kv capacity` plans it so
-    that its staging pool takes at most an eighth of the KV budget (``capacity.kivi_max_num_seqs``, on a GPU of
+    int4_kivi runs at the max_num_seqs its deployment would (``KVFormat.deployed_max_num_seqs``, on a GPU of
     ``gpu_total_bytes``)."""
     fmt = FORMATS[spec["format"]]
     engine = Workload.from_spec(spec["workloads"][0]).engine
     share = engine.memory_share(gpu_total_bytes)
-    max_num_seqs = engine.max_num_seqs
-    if fmt.scheme == KIVI:
-        if gpu_total_bytes is None:
-            raise ValueError("int4_kivi's max_num_seqs cap needs the GPU's total memory")
-        shape = model_shapes.load(spec["model"])
-        tp = engine.tensor_parallel_size
-        pool = capacity.kv_pool_bytes(shape, gpu_total_bytes, tp, share)
-        max_num_seqs = capacity.kivi_max_num_seqs(shape, pool, tp, default=max_num_seqs)
+    max_num_seqs = fmt.deployed_max_num_seqs(spec["model"], engine.max_num_seqs, gpu_total_bytes, share,
+                                             engine.tensor_parallel_size)
     return {
         "model": spec["model"],
         "load_format": spec["load_format"],

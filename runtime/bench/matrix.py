@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
+from s4kv.runtime.sizing import capacity, model_shapes
 
 MAX_MODEL_LEN = 20480  # the baseline's: long prompts are 16384 + 256 tokens
 # Engine start (torch.compile + CUDA graphs for a 7B shape, 45-70 s on the H200) plus the warm-up.
@@ -30,6 +31,16 @@ class KVFormat:
     def scheme(self) -> str | None:
         """The S4 KV scheme of this configuration, None for vLLM's own formats."""
         return (self.additional_config or {}).get(CONFIG_KEY, {}).get("scheme")
+
+    def deployed_max_num_seqs(self, model: str, setting: int, gpu_bytes: float | None, share: float,
+                              tp: int = 1) -> int:
+        """The max_num_seqs this configuration runs at under a ``setting``: the setting's, for int4_kivi capped as its
+        deployment caps it (`s4kv capacity`, `s4kv serve`), so that its staging pool takes at most an eighth of the
+        KV budget that ``share`` leaves on GPUs of ``gpu_bytes`` for ``model`` (a config.json or its folder). No GPU
+        (``gpu_bytes`` None): the setting's, as `s4kv serve` leaves it off CUDA."""
+        if self.scheme != KIVI or gpu_bytes is None:
+            return setting
+        return capacity.kivi_max_num_seqs(model_shapes.load(model), gpu_bytes, share, tp, default=setting)
 
     def engine_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {

@@ -403,7 +403,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(fmt: KVFormat, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
+def server_max_num_seqs(fmt: KVFormat, model_dir: Path, args: argparse.Namespace) -> int:
+    """--max-num-seqs, for int4_kivi capped by its staging pool as its deployment caps it where the KV memory comes
+    from the share (``KVFormat.deployed_max_num_seqs``); --kv-cache-memory-bytes sizes the cache apart from the
+    pool, and then every configuration runs at --max-num-seqs."""
+    if args.kv_cache_memory_bytes is not None:
+        return args.max_num_seqs
+    return fmt.deployed_max_num_seqs(str(model_dir), args.max_num_seqs, gpu_total_bytes(), args.gpu_memory_utilization)
+
+
+def server_command(fmt: KVFormat, model_dir: Path, port: int, args: argparse.Namespace,
+                   max_num_seqs: int) -> list[str]:
     """argv of `s4kv serve`'s server (vLLM's OpenAI server with the plugin's checks and its CUDA-graph sizes) for one
     configuration, with dummy weights and no tokenizer (token-id prompts), prefix caching on as vLLM's default."""
     command = [sys.executable, "-m", SERVER_MODULE, "--model", str(model_dir), "--served-model-name", SERVED_NAME,
@@ -411,7 +421,7 @@ def server_command(fmt: KVFormat, model_dir: Path, port: int, args: argparse.Nam
                "--skip-tokenizer-init", "--seed", "0",
                "--kv-cache-dtype", fmt.kv_cache_dtype, "--attention-backend", fmt.attention_backend,
                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-               "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
+               "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(args.max_model_len)]
     if args.kv_cache_memory_bytes is not None:
         command += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     additional_config = dict(fmt.additional_config or {})
@@ -426,8 +436,17 @@ def server_command(fmt: KVFormat, model_dir: Path, port: int, args: argparse.Nam
 def gpu_free_bytes() -> int | None:
     """Free memory of the first visible GPU, read with nvidia-smi (this process holds no CUDA context); None where
     there is no NVIDIA GPU or it cannot be read."""
+    return _gpu_memory_bytes("free")
+
+
+def gpu_total_bytes() -> int | None:
+    """Total memory of the first visible GPU, as gpu_free_bytes reads it."""
+    return _gpu_memory_bytes("total")
+
+
+def _gpu_memory_bytes(field: str) -> int | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    command = ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"]
+    command = ["nvidia-smi", f"--query-gpu=memory.{field}", "--format=csv,noheader,nounits"]
     if visible.isdigit():
         command += ["-i", visible]
     try:
@@ -484,10 +503,12 @@ def start_server(fmt_name: str, model_dir: Path, args: argparse.Namespace, logs:
     log_path = logs / f"serve-{fmt_name}.log"
     env = dict(os.environ)
     choose_model_runner(fmt.additional_config, env)  # as `s4kv serve` does: int4_kivi on vLLM's V1 runner
+    max_num_seqs = server_max_num_seqs(fmt, model_dir, args)
     with open(log_path, "w") as log:
-        process = subprocess.Popen(server_command(fmt, model_dir, port, args), stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, env=env)
-    record = {"format": fmt_name, "label": fmt.label, "log": str(log_path), "points": []}
+        process = subprocess.Popen(server_command(fmt, model_dir, port, args, max_num_seqs), stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    record = {"format": fmt_name, "label": fmt.label, "log": str(log_path), "max_num_seqs": max_num_seqs,
+              "points": []}
     return Server(fmt_name, process, f"http://127.0.0.1:{port}", log_path, time.monotonic(), record)
 
 
@@ -565,15 +586,16 @@ def render_markdown(doc: dict) -> str:
     lines = [f"Serving, {meta.get('model', '')}, {meta.get('input_len')} in / {meta.get('output_len')} out tokens, "
              f"{meta.get('requests')} requests per point, {kv_budget(meta)}, "
              f"max_num_seqs {meta.get('max_num_seqs')}{scheduler_note(meta)}; {meta.get('date', '')}", ""]
-    lines.append("| configuration | KV capacity (tokens) | server start | Triton kernels compiled after start-up "
-                 "(warm-up requests included) |")
-    lines.append("|---|---|---|---|")
+    lines.append("| configuration | KV capacity (tokens) | max_num_seqs | server start | Triton kernels compiled "
+                 "after start-up (warm-up requests included) |")
+    lines.append("|---|---|---|---|---|")
     for run in doc["runs"]:
         kv = f"{run['kv_cache_tokens']:,}" if run.get("kv_cache_tokens") else "-"
+        seqs = run.get("max_num_seqs") or meta.get("max_num_seqs")  # runs saved before it was recorded have none
         start = f"{run['startup_s']:.0f} s" if run.get("startup_s") else run.get("status", "-")
         compiled = run.get("jit_compiled")  # runs saved before it was recorded have none
         jit = "-" if compiled is None else ", ".join(f"`{name}`" for name in compiled) or "none"
-        lines.append(f"| {run['label']} | {kv} | {start} | {jit} |")
+        lines.append(f"| {run['label']} | {kv} | {seqs} | {start} | {jit} |")
     ms = lambda v: "-" if v is None else f"{v * 1e3:,.0f}"  # noqa: E731
     bucket = lambda v: "-" if v is None else "> 80 s" if math.isinf(v) else f"<= {v * 1e3:,.0f}"  # noqa: E731
     for kind, title in (("rate", "request rate (Poisson arrivals)"), ("concurrency", "fixed concurrency")):

@@ -44,8 +44,7 @@ def capped_max_num_seqs(vllm_config: Any, total_bytes: int) -> int | None:
                        "staging pool within the KV memory", resolved, err)
         return None
     tp = vllm_config.parallel_config.tensor_parallel_size
-    pool = capacity.kv_pool_bytes(shape, total_bytes, tp, cache.gpu_memory_utilization)
-    capped = capacity.kivi_max_num_seqs(shape, pool, tp, default=resolved)
+    capped = capacity.kivi_max_num_seqs(shape, total_bytes, cache.gpu_memory_utilization, tp, default=resolved)
     return capped if capped < resolved else None
 
 

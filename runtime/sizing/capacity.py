@@ -91,7 +91,7 @@ def _valid_tensor_parallel(model: model_shapes.ModelShape, gpus: int) -> list[in
     ]
 
 
-def kv_pool_bytes(model: model_shapes.ModelShape, gpu_bytes: float, tp: int, gmu: float) -> int:
+def _kv_pool_bytes(model: model_shapes.ModelShape, gpu_bytes: float, tp: int, gmu: float) -> int:
     """The KV pool of one GPU of ``gpu_bytes`` under vLLM's share ``gmu``: what the share leaves after the runtime
     reserve and the GPU's part of the weights."""
     budget = gpu_bytes * gmu - RUNTIME_RESERVE_MIB * catalog.MIB
@@ -117,11 +117,11 @@ def staging_bytes_per_slot(model: model_shapes.ModelShape, tp: int) -> int:
             * STAGED_KEY_BYTES)
 
 
-def kivi_max_num_seqs(model: model_shapes.ModelShape, pool_bytes: int, tp: int, default: int) -> int:
-    """int4_kivi's max_num_seqs beside a KV pool of ``pool_bytes`` per GPU: the most slots (a multiple of
-    MAX_NUM_SEQS_STEP, at least one step) whose staging pool fits KIVI_STAGING_SHARE of it, or ``default`` if
-    that is fewer."""
-    room = int(pool_bytes * KIVI_STAGING_SHARE) // staging_bytes_per_slot(model, tp)
+def kivi_max_num_seqs(model: model_shapes.ModelShape, gpu_bytes: float, gmu: float, tp: int, default: int) -> int:
+    """int4_kivi's max_num_seqs on GPUs of ``gpu_bytes`` under vLLM's share ``gmu``: the most slots (a multiple of
+    MAX_NUM_SEQS_STEP, at least one step) whose staging pool fits KIVI_STAGING_SHARE of the KV pool, or ``default``
+    if that is fewer. `s4kv capacity`, `s4kv serve` (runtime/plugin/staging_cap.py) and `s4kv bench` apply it."""
+    room = int(_kv_pool_bytes(model, gpu_bytes, tp, gmu) * KIVI_STAGING_SHARE) // staging_bytes_per_slot(model, tp)
     return min(default, max(MAX_NUM_SEQS_STEP, room // MAX_NUM_SEQS_STEP * MAX_NUM_SEQS_STEP))
 
 
@@ -130,7 +130,7 @@ def _max_num_seqs(model, instance, tp: int, gmu: float, scheme: ServedScheme) ->
     default = vllm_default_max_num_seqs(instance)
     if scheme != KIVI:
         return default
-    return kivi_max_num_seqs(model, kv_pool_bytes(model, instance.gpu_bytes, tp, gmu), tp, default)
+    return kivi_max_num_seqs(model, instance.gpu_bytes, gmu, tp, default)
 
 
 def _staging_bytes_per_gpu(model, instance, tp: int, gmu: float, scheme: ServedScheme) -> int:
@@ -142,7 +142,7 @@ def _staging_bytes_per_gpu(model, instance, tp: int, gmu: float, scheme: ServedS
 def _blocks_per_gpu(model, instance, tp: int, gmu: float, fmt: KvFormat, staging_bytes: int = 0) -> int:
     block_bytes = (fmt.block_size * model.num_layers * _kv_heads_per_gpu(model, tp)
                    * fmt.bytes_per_head_token(model.head_dim))
-    return max(0, (kv_pool_bytes(model, instance.gpu_bytes, tp, gmu) - staging_bytes) // block_bytes)
+    return max(0, (_kv_pool_bytes(model, instance.gpu_bytes, tp, gmu) - staging_bytes) // block_bytes)
 
 
 def _format_capacity(model, instance, tp: int, dp: int, gmu: float, fmt: KvFormat, context: int,

@@ -14,12 +14,15 @@ import sys
 import threading
 import time
 import unittest.mock
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from s4kv.runtime import cli, vllm_metrics
 from s4kv.runtime.bench import report as bench_report
 from s4kv.runtime.bench import serve as bench_serve
+from s4kv.runtime.bench.runner import prepare_model
 from s4kv.runtime.bench.serve import RequestRecord, SweepPoint
 
 TINY_QWEN2 = {
@@ -30,6 +33,7 @@ TINY_QWEN2 = {
     "bos_token_id": 1, "eos_token_id": 2,
 }
 KV_BYTES = 64 * 2**20
+LLAMA8B = Path(__file__).resolve().parents[2] / "configs" / "llama-3.1-8b-instruct.json"
 
 
 def parse_serve(*argv: str):
@@ -196,14 +200,15 @@ def test_the_kernels_vllms_jit_monitor_saw_compiled_are_read_from_the_server_log
     assert bench_report.parse_jit_compiled(log) == ["_kivi_close_kernel", "_paged_attention_kernel"]
     saved_before = dict(_doc()["runs"][0])
     del saved_before["jit_compiled"]
-    assert "| bf16 + FA3 | 107,824 | 80 s | - |" in bench_serve.render_markdown({**_doc(), "runs": [saved_before]})
+    table = bench_serve.render_markdown({**_doc(), "runs": [saved_before]})
+    assert "| bf16 + FA3 | 107,824 | 256 | 80 s | - |" in table  # max_num_seqs: the command's, saved before
 
 
 def test_tables_and_plot_show_every_point_and_the_skipped_ones():
     doc = _doc()
     table = bench_serve.render_markdown(doc)
-    assert "| bf16 + FA3 | 107,824 | 80 s | none |" in table
-    assert "| s4kv int4_kivi | 403,840 | 85 s | `_kivi_close_kernel`, `_gather_dense_kernel` |" in table
+    assert "| bf16 + FA3 | 107,824 | 256 | 80 s | none |" in table
+    assert "| s4kv int4_kivi | 403,840 | 256 | 85 s | `_kivi_close_kernel`, `_gather_dense_kernel` |" in table
     assert ("| rate 8/s | s4kv int4_kivi | 100 | 950 | 1,900 | 15 | 30 | <= 25 | 2 | 1,000 | 2,000 | 3 / 5 | 0 | 0 |"
             in table)
     assert "| concurrency 16 | s4kv int4_kivi | skipped: time budget |" in table
@@ -276,6 +281,24 @@ def test_real_openai_server_on_the_cpu_engine(tmp_path):
     assert (out / "serve.md").is_file() and 'class="series"' in (out / "serve.svg").read_text()
 
 
+def test_int4_kivi_serves_at_its_staging_cap_where_the_share_sizes_the_kv(tmp_path, monkeypatch):
+    """As `s4kv serve` would run it by itself: on an H200's 24 GB share (gmu 0.16) the Llama-3.1-8B shape's pool of
+    8 MiB a slot may take an eighth of 24.1e9 - 2 GiB - 16.06e9, 88 slots: 80. The server's record and table say so."""
+    monkeypatch.setattr(bench_serve, "gpu_total_bytes", lambda: 143_771 * 2**20)
+    started = []
+    monkeypatch.setattr(bench_serve.subprocess, "Popen", lambda argv, **_: started.append(argv) or SimpleNamespace())
+    model_dir = prepare_model(LLAMA8B, tmp_path / "model")
+    seqs = {name: bench_serve.start_server(name, model_dir, parse_serve(), tmp_path).record["max_num_seqs"]
+            for name in ("s4kv_kivi", "s4kv_saw", "bf16_fa3")}
+    assert seqs == {"s4kv_kivi": 80, "s4kv_saw": 256, "bf16_fa3": 256}
+    assert [argv[argv.index("--max-num-seqs") + 1] for argv in started] == ["80", "256", "256"]
+    # a fixed KV budget is not shared with the pool: every server at --max-num-seqs
+    fixed = parse_serve("--kv-cache-memory-bytes", str(2 << 30))
+    assert bench_serve.server_max_num_seqs(bench_serve.FORMATS["s4kv_kivi"], model_dir, fixed) == 256
+    run = {**_doc()["runs"][1], "max_num_seqs": 80}
+    assert "| s4kv int4_kivi | 403,840 | 80 |" in bench_serve.render_markdown({**_doc(), "runs": [run]})
+
+
 def test_int4_kivi_servers_start_on_vllms_v1_runner_and_the_others_on_its_default(tmp_path, monkeypatch):
     """Each server gets its own environment: int4_kivi's the V1 model runner (as `s4kv serve` selects it, or vLLM's
     V2 default refuses the scheme at start-up), the other formats vLLM's default, whatever order they start in."""
@@ -288,6 +311,7 @@ def test_int4_kivi_servers_start_on_vllms_v1_runner_and_the_others_on_its_defaul
             self.pid = 0
 
     monkeypatch.setattr(bench_serve.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(bench_serve, "gpu_total_bytes", lambda: None)  # no GPU: int4_kivi at --max-num-seqs
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     args = parse_serve()
     for name in ("s4kv_kivi", "bf16_fa3", "s4kv_saw"):
@@ -331,7 +355,7 @@ def test_the_free_memory_is_read_from_nvidia_smi_of_the_first_visible_gpu(monkey
 def test_every_server_runs_the_plugins_prefill_capped_scheduler_as_s4kv_serve_does(tmp_path, flags, cap):
     args = parse_serve(*flags)
     for name, s4kv in (("s4kv_kivi", {"scheme": "int4_kivi"}), ("bf16_fa3", None)):
-        argv = bench_serve.server_command(bench_serve.FORMATS[name], tmp_path, 8000, args)
+        argv = bench_serve.server_command(bench_serve.FORMATS[name], tmp_path, 8000, args, args.max_num_seqs)
         assert argv[argv.index("--scheduler-cls") + 1] == "s4kv.runtime.plugin.scheduler.prefill_capped_scheduler"
         config = json.loads(argv[argv.index("--additional-config") + 1])
         assert config.pop("s4kv_scheduler") == {"prefill_tokens_per_step": cap}
@@ -344,7 +368,7 @@ def test_every_server_runs_the_plugins_prefill_capped_scheduler_as_s4kv_serve_do
 
 def test_a_cap_of_0_runs_vllms_own_scheduler(tmp_path):
     args = parse_serve("--prefill-tokens-per-step", "0")
-    argv = bench_serve.server_command(bench_serve.FORMATS["bf16_fa3"], tmp_path, 8000, args)
+    argv = bench_serve.server_command(bench_serve.FORMATS["bf16_fa3"], tmp_path, 8000, args, args.max_num_seqs)
     assert "--scheduler-cls" not in argv and "--additional-config" not in argv
     doc = _doc()
     doc["meta"]["prefill_tokens_per_step"] = 0
