@@ -74,7 +74,7 @@ def parse_staging_room(log: str) -> int | None:
 def staging_note(runs: list[dict[str, Any]]) -> str:
     """One line per int4_kivi engine whose log gave its staging pool: the tokens the pool takes the room of, beside
     the cache's (the capacity row counts the cache alone, which is what the engine can hold), and its max_num_seqs
-    where the staging cap (runtime/bench/engine.py) took it below the engine setting's."""
+    where the staging cap (``KVFormat.deployed_max_num_seqs``) took it below the engine setting's."""
     lines = []
     for run in runs:
         room, tokens = run.get("staging_room_tokens"), run.get("kv_cache_tokens")
