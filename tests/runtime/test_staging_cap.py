@@ -56,6 +56,9 @@ def test_serve_caps_int4_kivi_where_the_user_chose_no_max_num_seqs(tmp_path, mon
 def test_the_cap_leaves_what_the_user_or_another_format_chose(tmp_path, monkeypatch):
     model = write_model_dir(tmp_path, "llama", LLAMA31_8B)
     assert prechecked(monkeypatch, model, *kivi(), "--max-num-seqs", "200").max_num_seqs == 200
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text("max-num-seqs: 200\n")  # chosen in a --config file: vLLM's parser puts it into args
+    assert prechecked(monkeypatch, model, *kivi(), "--config", str(config_file)).max_num_seqs == 200
     assert prechecked(monkeypatch, model, *kivi("int4_saw")).max_num_seqs is None  # vLLM's default
     assert prechecked(monkeypatch, model).max_num_seqs is None  # vLLM's own bf16
     # an explicit KV budget is not shared with the pool
