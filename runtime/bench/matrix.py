@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW
+from s4kv.runtime.schemes import ATTENTION_BACKEND, CONFIG_KEY, KIVI, KV_CACHE_DTYPE, SAW, find_options
 from s4kv.runtime.sizing import capacity, model_shapes
 
 MAX_MODEL_LEN = 20480  # the baseline's: long prompts are 16384 + 256 tokens
@@ -30,7 +30,7 @@ class KVFormat:
     @property
     def scheme(self) -> str | None:
         """The S4 KV scheme of this configuration, None for vLLM's own formats."""
-        return (self.additional_config or {}).get(CONFIG_KEY, {}).get("scheme")
+        return (find_options(self.additional_config) or {}).get("scheme")
 
     def deployed_max_num_seqs(self, model: str, setting: int, gpu_bytes: float | None, share: float,
                               tp: int = 1) -> int:
